@@ -1,0 +1,85 @@
+"""Completes a ModelConfig from an ONNX graph's signature, as Triton's onnxruntime backend does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from tritonclient.grpc import model_config_pb2
+
+from geserve.config import ModelConfig
+from geserve.errors import InvalidArgumentError
+from geserve.types.datatypes import BY_WIRE, ONNX_TO_WIRE
+
+
+@dataclass(frozen=True, slots=True)
+class GraphTensor:
+    name: str
+    wire_type: str
+    shape: tuple[int, ...]  # -1 for a dynamic dimension
+
+
+def read_signature(model_path: Path) -> tuple[list[GraphTensor], list[GraphTensor]]:
+    """The graph's real inputs (initializers excluded) and outputs, without loading external weights."""
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError, OSError, ... for a broken file
+        raise InvalidArgumentError(f"failed to read ONNX model {model_path}: {exc}") from None
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [_tensor(v, model_path) for v in model.graph.input if v.name not in initializers]
+    outputs = [_tensor(v, model_path) for v in model.graph.output]
+    return inputs, outputs
+
+
+def _tensor(value: onnx.ValueInfoProto, model_path: Path) -> GraphTensor:
+    tensor_type = value.type.tensor_type
+    wire = ONNX_TO_WIRE.get(tensor_type.elem_type)
+    if wire is None:
+        raise InvalidArgumentError(
+            f"{model_path}: tensor '{value.name}' has ONNX element type {tensor_type.elem_type}, "
+            f"which has no Triton datatype"
+        )
+    shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
+    return GraphTensor(value.name, wire, shape)
+
+
+def auto_complete(config: ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
+    inputs, outputs = read_signature(model_path)
+    graph = inputs + outputs
+    batchable = bool(graph) and all(t.shape and t.shape[0] == -1 for t in graph)
+    if config.max_batch_size == 0 and batchable and not _dims_given_with_batch(config, graph):
+        config.max_batch_size = default_max_batch_size
+    if config.max_batch_size > 0 and not batchable:
+        raise InvalidArgumentError(
+            f"model '{config.name}': max_batch_size is {config.max_batch_size} but the first dimension of "
+            f"{model_path} is not dynamic for every input and output, so it cannot batch"
+        )
+    skip = 1 if config.max_batch_size > 0 else 0
+    _complete(config.input, inputs, skip)
+    _complete(config.output, outputs, skip)
+
+
+def _dims_given_with_batch(config: ModelConfig, graph: list[GraphTensor]) -> bool:
+    """A config that already lists full-rank dims means the user chose max_batch_size 0 on purpose."""
+    ranks = {t.name: len(t.shape) for t in graph}
+    given = [t for t in list(config.input) + list(config.output) if t.dims]
+    return bool(given) and all(len(t.dims) == ranks.get(t.name, -1) for t in given)
+
+
+def _complete(configured, graph: list[GraphTensor], skip: int) -> None:
+    by_name = {t.name: t for t in configured}
+    for tensor in graph:
+        entry = by_name.get(tensor.name)
+        if entry is None:
+            if configured and len(configured) == len(graph):
+                continue  # every tensor already configured (possibly under a reshape); keep the user's list
+            entry = configured.add()
+            entry.name = tensor.name
+        if entry.data_type == model_config_pb2.TYPE_INVALID:
+            entry.data_type = BY_WIRE[tensor.wire_type].config
+        if not entry.dims and not entry.HasField("reshape"):
+            dims = tensor.shape[skip:]
+            entry.dims.extend(dims if dims else [1])
+            if not dims:
+                entry.reshape.SetInParent()

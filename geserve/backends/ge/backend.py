@@ -1,0 +1,172 @@
+"""The GE (graph executor) backend: loads ONNX graphs into ONNX Runtime sessions on the chosen device."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import onnxruntime as ort
+
+from geserve import devices
+from geserve.backends.base import BackendSettings, ModelSource
+from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_signature
+from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
+from geserve.backends.ge.parameters import GeOptions, parse_ge_options
+from geserve.config import ModelConfig
+from geserve.errors import InvalidArgumentError, UnavailableError
+from geserve.types.datatypes import BY_CONFIG
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_FILENAME = "model.onnx"
+_OPTIMIZATION_LEVELS = {
+    -1: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    0: ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    1: ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+}
+
+
+def model_path(config: ModelConfig, source: ModelSource) -> Path:
+    """Triton's onnxruntime layout: `<version>/model.onnx`, a file or a folder holding `model.onnx`."""
+    path = source.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
+    if path.is_dir():
+        path = path / DEFAULT_MODEL_FILENAME
+    if not path.is_file():
+        raise InvalidArgumentError(f"model file {path} not found for model '{config.name}'")
+    return path
+
+
+class GeBackend:
+    name = "ge"
+    default_model_filename = DEFAULT_MODEL_FILENAME
+
+    def __init__(self, settings: BackendSettings | None = None) -> None:
+        self._settings = settings or BackendSettings()
+
+    @property
+    def default_max_batch_size(self) -> int:
+        return self._settings.get_int("default-max-batch-size", 4)
+
+    def auto_complete_config(self, config: ModelConfig, source: ModelSource) -> None:
+        auto_complete(config, model_path(config, source), self.default_max_batch_size)
+
+    def create_instances(self, config: ModelConfig, source: ModelSource) -> list[GeInstance]:
+        options = parse_ge_options(config)
+        if options.accelerator is None and "execution_accelerators" in self._settings.values:
+            options.accelerator = self._settings.values["execution_accelerators"].strip().lower() or None
+        path = model_path(config, source)
+        layout = _layout(config, path)
+        placements = _placements(config, options)
+        threads = options.intra_op_threads or devices.threads_per_instance(len(placements))
+        instances: list[GeInstance] = []
+        for name, kind, device_id in placements:
+            target = devices.resolve_target(kind, device_id, options.accelerator)
+            session = _create_session(path, config, options, target, threads, source)
+            instances.append(GeInstance(name, session, layout, target.device))
+        logger.info(
+            "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
+            config.name, source.version, len(instances), instances[0].device if instances else "-", threads,
+        )
+        return instances
+
+
+def _placements(config: ModelConfig, options: GeOptions) -> list[tuple[str, int, int]]:
+    """(instance name, kind, device id) for every execution context of every instance group."""
+    placements = []
+    for group in config.instance_group:
+        if group.kind == devices.KIND_GPU:
+            device_ids = list(group.gpus) or options.device_ids or [0]
+        else:
+            device_ids = options.device_ids[:1] or [0]
+        per_device = group.count * options.instance_exec_blocks
+        for device_id in device_ids:
+            for _ in range(per_device):
+                placements.append((f"{group.name}_{len(placements)}", group.kind, device_id))
+    return placements
+
+
+def _layout(config: ModelConfig, path: Path) -> ModelLayout:
+    """Check the config against the graph's signature and precompute the per-tensor reshapes."""
+    graph_inputs, graph_outputs = read_signature(path)
+    batching = config.max_batch_size > 0
+    inputs = {t.name: _tensor_layout(config, t, graph_inputs, "input", path, batching) for t in config.input}
+    outputs = {t.name: _tensor_layout(config, t, graph_outputs, "output", path, batching) for t in config.output}
+    missing = {t.name for t in graph_inputs} - set(inputs)
+    if missing:
+        raise InvalidArgumentError(
+            f"model '{config.name}': graph input(s) {sorted(missing)} of {path} are not in the configuration"
+        )
+    return ModelLayout(batching, inputs, outputs, tuple(outputs))
+
+
+def _tensor_layout(config, tensor, graph: list[GraphTensor], kind: str, path: Path, batching: bool) -> TensorLayout:
+    by_name = {t.name: t for t in graph}
+    found = by_name.get(tensor.name)
+    if found is None:
+        raise InvalidArgumentError(
+            f"model '{config.name}': configuration {kind} '{tensor.name}' is not a graph {kind} of {path}; "
+            f"the graph has {sorted(by_name)}"
+        )
+    wire = BY_CONFIG[tensor.data_type].wire
+    if wire != found.wire_type:
+        raise InvalidArgumentError(
+            f"model '{config.name}': unexpected datatype {BY_CONFIG[tensor.data_type].config_name} for {kind} "
+            f"'{tensor.name}', the graph expects TYPE_{'STRING' if found.wire_type == 'BYTES' else found.wire_type}"
+        )
+    config_dims = tuple(tensor.dims)
+    graph_dims = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
+    expected = found.shape[1:] if batching else found.shape
+    checked = graph_dims if graph_dims is not None else config_dims
+    if len(expected) != len(checked) or any(e not in (-1, c) and c != -1 for e, c in zip(expected, checked)):
+        raise InvalidArgumentError(
+            f"model '{config.name}': {kind} '{tensor.name}' has dims {list(checked)} in the configuration "
+            f"but shape {list(found.shape)} in {path}"
+            + (" (the first graph dimension is the batch)" if batching else "")
+        )
+    return TensorLayout(tensor.name, wire, config_dims, graph_dims)
+
+
+def _create_session(
+    path: Path,
+    config: ModelConfig,
+    options: GeOptions,
+    target: devices.ExecutionTarget,
+    threads: int,
+    source: ModelSource,
+) -> ort.InferenceSession:
+    session_options = ort.SessionOptions()
+    session_options.intra_op_num_threads = threads
+    session_options.inter_op_num_threads = options.inter_op_threads or 1
+    session_options.execution_mode = (
+        ort.ExecutionMode.ORT_SEQUENTIAL if options.sequential_execution else ort.ExecutionMode.ORT_PARALLEL
+    )
+    level = config.optimization.graph.level if config.HasField("optimization") else 0
+    session_options.graph_optimization_level = _OPTIMIZATION_LEVELS.get(
+        level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    )
+    session_options.enable_cpu_mem_arena = options.enable_mem_arena
+    session_options.enable_mem_pattern = options.enable_mem_pattern
+    session_options.log_severity_level = 3
+    dump_dir = Path(tempfile.gettempdir()) / "geserve_dump" / config.name / str(source.version)
+    if options.dump_graph:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        session_options.optimized_model_filepath = str(dump_dir / "optimized.onnx")
+    if options.profiling:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        session_options.enable_profiling = True
+        session_options.profile_file_prefix = str(dump_dir / "profile")
+    for key, value in options.ort_config_entries.items():
+        try:
+            session_options.add_session_config_entry(key, value)
+        except Exception as exc:
+            raise InvalidArgumentError(f"parameter 'ort.{key}' was refused by onnxruntime: {exc}") from None
+    try:
+        return ort.InferenceSession(
+            str(path),
+            session_options,
+            providers=[name for name, _ in target.providers],
+            provider_options=[opts for _, opts in target.providers],
+        )
+    except Exception as exc:
+        raise UnavailableError(f"onnxruntime could not load {path}: {exc}") from None

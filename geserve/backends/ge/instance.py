@@ -1,0 +1,120 @@
+"""One GE instance: an ONNX Runtime session that executes a batch of requests and slices the outputs back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from geserve.errors import GeserveError, InternalError, InvalidArgumentError
+from geserve.types import InferenceRequest, InferenceResponse, OutputTensor
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """How a config tensor maps onto the graph: its wire datatype and the graph-side shape (reshape)."""
+
+    name: str
+    wire_type: str
+    config_dims: tuple[int, ...]
+    graph_dims: tuple[int, ...] | None  # None: same as the config dims
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    batching: bool
+    inputs: dict[str, TensorLayout]
+    outputs: dict[str, TensorLayout]
+    output_names: tuple[str, ...]
+
+
+class GeInstance:
+    def __init__(self, name: str, session: ort.InferenceSession, layout: ModelLayout, device: str) -> None:
+        self.name = name
+        self.device = device
+        self._session = session
+        self._layout = layout
+        self._string_inputs = {n for n, t in layout.inputs.items() if t.wire_type == "BYTES"}
+        # (input, infer, output) nanoseconds of the last execute(); read by the pool on the same thread.
+        self.last_phase_ns: tuple[int, int, int] = (0, 0, 0)
+
+    def execute(self, requests: list[InferenceRequest]) -> list[InferenceResponse | GeserveError]:
+        try:
+            if len(requests) == 1:
+                return [self._run_one(requests[0])]
+            return self._run_batch(requests)
+        except GeserveError as exc:
+            return [exc] * len(requests)
+        except Exception as exc:  # ONNX Runtime raises its own types; report them, never crash the server
+            error = InternalError(f"onnxruntime execution failed on {self.name}: {exc}")
+            return [error] * len(requests)
+
+    def finalize(self) -> None:
+        self._session = None  # type: ignore[assignment]
+
+    def _feed(self, name: str, array: np.ndarray, batch: int) -> np.ndarray:
+        layout = self._layout.inputs[name]
+        if layout.graph_dims is not None:
+            array = array.reshape(((batch,) if self._layout.batching else ()) + layout.graph_dims)
+        if name in self._string_inputs:
+            array = _decode_strings(name, array)
+        return array
+
+    def _run_one(self, request: InferenceRequest) -> InferenceResponse:
+        start = time.monotonic_ns()
+        batch = request.batch_size
+        feed = {t.name: self._feed(t.name, t.data, batch) for t in request.inputs}
+        names = _requested_names(request, self._layout.output_names)
+        fed = time.monotonic_ns()
+        results = self._session.run(names, feed)
+        ran = time.monotonic_ns()
+        outputs = [self._output(name, value, batch) for name, value in zip(names, results, strict=True)]
+        self.last_phase_ns = (fed - start, ran - fed, time.monotonic_ns() - ran)
+        return InferenceResponse(request.model_name, request.model_version, outputs, request.id)
+
+    def _run_batch(self, requests: list[InferenceRequest]) -> list[InferenceResponse | GeserveError]:
+        """Several requests in one session run: inputs joined along the batch axis, outputs split back."""
+        start = time.monotonic_ns()
+        sizes = [r.batch_size for r in requests]
+        total = sum(sizes)
+        feed = {
+            t.name: self._feed(t.name, np.concatenate([r.inputs[i].data for r in requests]), total)
+            for i, t in enumerate(requests[0].inputs)
+        }
+        names = list(self._layout.output_names)
+        fed = time.monotonic_ns()
+        results = dict(zip(names, self._session.run(names, feed), strict=True))
+        ran = time.monotonic_ns()
+        offsets = np.cumsum([0, *sizes])
+        responses: list[InferenceResponse | GeserveError] = []
+        for index, request in enumerate(requests):
+            begin, end = int(offsets[index]), int(offsets[index + 1])
+            wanted = _requested_names(request, self._layout.output_names)
+            outputs = [self._output(n, results[n][begin:end], end - begin) for n in wanted]
+            responses.append(InferenceResponse(request.model_name, request.model_version, outputs, request.id))
+        self.last_phase_ns = (fed - start, ran - fed, time.monotonic_ns() - ran)
+        return responses
+
+    def _output(self, name: str, value: np.ndarray, batch: int) -> OutputTensor:
+        layout = self._layout.outputs[name]
+        if layout.graph_dims is not None:
+            value = value.reshape(((batch,) if self._layout.batching else ()) + layout.config_dims)
+        return OutputTensor(name, layout.wire_type, value.shape, value)
+
+
+def _requested_names(request: InferenceRequest, every: tuple[str, ...]) -> list[str]:
+    if request.outputs is None:
+        return list(every)
+    return [o.name for o in request.outputs]
+
+
+def _decode_strings(name: str, array: np.ndarray) -> np.ndarray:
+    """ONNX Runtime string tensors hold str, while the wire carries bytes."""
+    try:
+        decoded = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"input '{name}' holds bytes that are not UTF-8 text: {exc}") from None
+    return np.array(decoded, dtype=object).reshape(array.shape)

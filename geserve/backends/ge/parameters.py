@@ -1,0 +1,135 @@
+"""Reads a model's `parameters` in both GE dialects (Ascend's names and Triton ONNX Runtime's) into GeOptions.
+
+Nothing is dropped silently: known keys become options, `ort.*` keys become ONNX Runtime session config
+entries, and anything else is rejected with the list of accepted names.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from geserve.config import ModelConfig
+from geserve.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+# GE's session and graph options only mean something to Graph Engine itself (the CANN provider).
+_GE_PREFIXES = ("session.ge.", "graph.ge.")
+_ORT_PREFIX = "ort."
+_EXECUTOR_TYPES = {"GE", "ORT", "ONNXRUNTIME"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(slots=True)
+class GeOptions:
+    executor_type: str = "GE"
+    accelerator: str | None = None  # "cuda", "npu", ... ; None follows the instance group kind
+    device_ids: list[int] = field(default_factory=list)
+    instance_exec_blocks: int = 1
+    device_exec_blocks: int = 1
+    static_model: bool = False
+    dump_graph: bool = False
+    dump_data: bool = False
+    profiling: bool = False
+    intra_op_threads: int = 0  # 0: share the cores among the instances
+    inter_op_threads: int = 0
+    sequential_execution: bool = True
+    enable_mem_arena: bool = True
+    enable_mem_pattern: bool = True
+    ge_options: dict[str, str] = field(default_factory=dict)
+    ort_config_entries: dict[str, str] = field(default_factory=dict)
+
+
+def _as_bool(key: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise InvalidArgumentError(f"parameter '{key}' expects true/false or 1/0, got '{value}'")
+
+
+def _as_int(key: str, value: str, minimum: int = 0) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise InvalidArgumentError(f"parameter '{key}' expects an integer, got '{value}'") from None
+    if number < minimum:
+        raise InvalidArgumentError(f"parameter '{key}' must be >= {minimum}, got {number}")
+    return number
+
+
+def _as_int_list(key: str, value: str) -> list[int]:
+    return [_as_int(key, part) for part in value.replace(";", ",").split(",") if part.strip()]
+
+
+def _set_executor_type(options: GeOptions, key: str, value: str) -> None:
+    executor = value.strip().upper()
+    if executor not in _EXECUTOR_TYPES:
+        raise InvalidArgumentError(
+            f"parameter '{key}' is '{value}'; this build executes graphs with: {', '.join(sorted(_EXECUTOR_TYPES))}"
+        )
+    options.executor_type = executor
+
+
+def _set_execution_mode(options: GeOptions, key: str, value: str) -> None:
+    mode = value.strip().lower()
+    if mode not in ("0", "1", "sequential", "parallel"):
+        raise InvalidArgumentError(f"parameter '{key}' expects 0 (sequential) or 1 (parallel), got '{value}'")
+    options.sequential_execution = mode in ("0", "sequential")
+
+
+_SETTERS = {
+    "EXECUTOR_TYPE": _set_executor_type,
+    "DEVICE_ID": lambda o, k, v: o.device_ids.__setitem__(slice(None), [_as_int(k, v)]),
+    "device_ids": lambda o, k, v: o.device_ids.__setitem__(slice(None), _as_int_list(k, v)),
+    "execution_accelerator": lambda o, k, v: setattr(o, "accelerator", v.strip().lower() or None),
+    "instance_exec_blocks": lambda o, k, v: setattr(o, "instance_exec_blocks", _as_int(k, v, 1)),
+    "device_exec_blocks": lambda o, k, v: setattr(o, "device_exec_blocks", _as_int(k, v, 1)),
+    "static_model": lambda o, k, v: setattr(o, "static_model", _as_bool(k, v)),
+    "dump_graph": lambda o, k, v: setattr(o, "dump_graph", _as_bool(k, v)),
+    "dump_data": lambda o, k, v: setattr(o, "dump_data", _as_bool(k, v)),
+    "profiling": lambda o, k, v: setattr(o, "profiling", _as_bool(k, v)),
+    # Triton's onnxruntime backend spells these; a plain Triton ONNX repository keeps working.
+    "intra_op_thread_count": lambda o, k, v: setattr(o, "intra_op_threads", _as_int(k, v)),
+    "inter_op_thread_count": lambda o, k, v: setattr(o, "inter_op_threads", _as_int(k, v)),
+    "execution_mode": _set_execution_mode,
+    "enable_mem_arena": lambda o, k, v: setattr(o, "enable_mem_arena", _as_bool(k, v)),
+    "enable_mem_pattern": lambda o, k, v: setattr(o, "enable_mem_pattern", _as_bool(k, v)),
+}
+
+# Read by other layers (the scheduler, the compiler); accepted here so they are not rejected as unknown.
+_HANDLED_ELSEWHERE = {"batch_gears"}
+
+
+def parse_ge_options(config: ModelConfig) -> GeOptions:
+    options = GeOptions()
+    for key, parameter in sorted(config.parameters.items()):
+        value = parameter.string_value
+        setter = _SETTERS.get(key)
+        if setter is not None:
+            setter(options, key, value)
+        elif key.startswith(_GE_PREFIXES):
+            options.ge_options[key] = value
+        elif key.startswith(_ORT_PREFIX):
+            options.ort_config_entries[key[len(_ORT_PREFIX):]] = value
+        elif key in _HANDLED_ELSEWHERE:
+            continue
+        else:
+            accepted = ", ".join(sorted(_SETTERS))
+            raise InvalidArgumentError(
+                f"unknown parameter '{key}' for model '{config.name}'. The GE backend accepts: {accepted}, "
+                f"'session.ge.*' / 'graph.ge.*' (Graph Engine options) and 'ort.<key>' "
+                f"(ONNX Runtime session config entries)"
+            )
+    if options.ge_options and options.accelerator not in ("npu", "cann"):
+        logger.info(
+            "model '%s': Graph Engine options %s apply on Ascend (CANN) targets only; not used on this target",
+            config.name,
+            sorted(options.ge_options),
+        )
+    if options.dump_data:
+        logger.warning("model '%s': dump_data is only implemented on Ascend targets; ignored here", config.name)
+    return options

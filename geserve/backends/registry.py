@@ -1,0 +1,65 @@
+"""Maps a config's `platform` / `backend` to the backend that serves it, and fills the implied name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from geserve.backends.base import Backend, BackendSettings
+from geserve.backends.ge import GeBackend
+from geserve.config import ModelConfig
+from geserve.errors import InvalidArgumentError
+
+# backend name -> factory; every GE dialect also reads `--backend-config=ge,...`
+_BACKENDS: dict[str, Callable[[BackendSettings], Backend]] = {
+    "ge": GeBackend,
+    "npu_ge": GeBackend,
+    "onnxruntime": GeBackend,
+}
+# platform -> backend, as Triton pairs them
+_PLATFORMS = {"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime"}
+_DETECTABLE = {"model.onnx": ("onnxruntime_onnx", "onnxruntime")}
+
+
+class BackendRegistry:
+    """Creates each backend once, with the server's `--backend-config` settings for it."""
+
+    def __init__(self, settings: dict[str, dict[str, str]]) -> None:
+        self._settings = settings
+        self._instances: dict[str, Backend] = {}
+
+    def complete_platform(self, config: ModelConfig, model_dir: Path) -> None:
+        """Triton derives the backend from the platform (and the platform from the model file) when absent."""
+        if not config.platform and not config.backend:
+            for version_dir in sorted(p for p in model_dir.iterdir() if p.name.isdigit()):
+                for filename, (platform, backend) in _DETECTABLE.items():
+                    if (version_dir / (config.default_model_filename or filename)).exists():
+                        config.platform, config.backend = platform, backend
+                        return
+        if config.platform and not config.backend:
+            backend = _PLATFORMS.get(config.platform)
+            if backend is None:
+                raise InvalidArgumentError(
+                    f"unexpected platform type '{config.platform}' for {config.name}; "
+                    f"supported: {', '.join(sorted(_PLATFORMS))}"
+                )
+            config.backend = backend
+        if config.backend == "onnxruntime" and not config.platform:
+            config.platform = "onnxruntime_onnx"
+
+    def backend_for(self, config: ModelConfig) -> Backend:
+        name = config.backend
+        if not name:
+            raise InvalidArgumentError(
+                f"model '{config.name}' names no 'backend' or 'platform', and none could be detected from its files"
+            )
+        factory = _BACKENDS.get(name)
+        if factory is None:
+            raise InvalidArgumentError(
+                f"unable to find backend '{name}' for model '{config.name}'; "
+                f"this server provides: {', '.join(sorted(_BACKENDS))}"
+            )
+        if name not in self._instances:
+            merged = {**self._settings.get("ge", {}), **self._settings.get(name, {})}
+            self._instances[name] = factory(BackendSettings(merged))
+        return self._instances[name]

@@ -1,0 +1,123 @@
+"""`geserve serve ...` command line: tritonserver's flag spellings, parsed into ServerSettings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from geserve.settings import ServerSettings, parse_bool
+from geserve.version import __version__
+
+
+def _bool(text: str) -> bool:
+    try:
+        return parse_bool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _backend_config(text: str) -> tuple[str, str, str]:
+    """`<backend>,<key>=<value>` (or `<key>=<value>` for every backend), as tritonserver takes it."""
+    backend, _, setting = text.rpartition(",")
+    key, sep, value = setting.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--backend-config expects <backend>,<key>=<value>, got '{text}'")
+    return backend or "ge", key, value
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model-repository", "--model-store", dest="model_repositories", action="append", type=Path,
+        required=True, help="path to a Triton model repository (repeatable)")
+    add("--http-port", type=int, default=8000)
+    add("--http-address", default="0.0.0.0")
+    add("--allow-http", type=_bool, nargs="?", const=True, default=True)
+    add("--http-max-input-size", type=int, default=64 * 1024 * 1024,
+        help="largest accepted request body in bytes (default 64 MiB)")
+    add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
+    add("--grpc-port", type=int, default=8001, help="reserved for the gRPC frontend")
+    add("--grpc-address", default="0.0.0.0")
+    add("--allow-grpc", type=_bool, nargs="?", const=True, default=True)
+    add("--metrics-port", type=int, default=8002, help="reserved for the Prometheus endpoint")
+    add("--allow-metrics", type=_bool, nargs="?", const=True, default=True)
+    add("--model-control-mode", choices=["none", "explicit"], default="none")
+    add("--load-model", dest="load_models", action="append", default=[],
+        help="model to load at start in explicit mode (repeatable; '*' for all)")
+    add("--strict-readiness", type=_bool, nargs="?", const=True, default=True)
+    add("--exit-on-error", type=_bool, nargs="?", const=True, default=False)
+    add("--disable-auto-complete-config", action="store_true")
+    add("--strict-model-config", type=_bool, nargs="?", const=True, default=None,
+        help="deprecated spelling: true disables auto-complete")
+    add("--backend-config", action="append", type=_backend_config, default=[],
+        help="<backend>,<key>=<value>, e.g. ge,execution_accelerators=cpu or ge,default-max-batch-size=8")
+    add("--log-verbose", type=int, nargs="?", const=1, default=0)
+    add("--log-info", type=_bool, nargs="?", const=True, default=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="geserve", description="Triton-compatible inference server", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"geserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve_arguments(commands.add_parser("serve", help="serve Triton model repositories", allow_abbrev=False))
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    settings = ServerSettings.from_env()
+    backend_config: dict[str, dict[str, str]] = {}
+    for backend, key, value in args.backend_config:
+        backend_config.setdefault(backend, {})[key] = value
+    auto_complete = not args.disable_auto_complete_config
+    if args.strict_model_config is not None:
+        auto_complete = auto_complete and not args.strict_model_config
+    settings.model_repositories = args.model_repositories
+    settings.http_port, settings.http_address = args.http_port, args.http_address
+    settings.allow_http, settings.http_max_input_size = args.allow_http, args.http_max_input_size
+    settings.http_thread_count = args.http_thread_count
+    settings.grpc_port, settings.grpc_address, settings.allow_grpc = args.grpc_port, args.grpc_address, args.allow_grpc
+    settings.metrics_port, settings.allow_metrics = args.metrics_port, args.allow_metrics
+    settings.model_control_mode, settings.load_models = args.model_control_mode, args.load_models
+    settings.strict_readiness, settings.exit_on_error = args.strict_readiness, args.exit_on_error
+    settings.auto_complete_config, settings.backend_config = auto_complete, backend_config
+    settings.log_verbose = args.log_verbose
+    return settings
+
+
+def _install_event_loop_policy() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=logging.DEBUG if settings.log_verbose else (logging.INFO if args.log_info else logging.WARNING),
+        format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
+    )
+    from geserve.core.server import Server, StartupError
+
+    _install_event_loop_policy()
+
+    async def run() -> None:
+        await Server(settings).run_until_signalled()
+
+    try:
+        asyncio.run(run())
+    except StartupError as exc:
+        print(f"error: creating server: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""ModelConfig -> the JSON that Triton's `/config` returns: every default field, enum names, int64 as numbers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def message_to_json_dict(message: Message) -> dict[str, Any]:
+    """protobuf's JSON mapping quotes 64-bit integers; Triton prints them as numbers, so unquote them."""
+    as_dict = json_format.MessageToDict(
+        message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+    )
+    _unquote_int64(as_dict, message.DESCRIPTOR)
+    return as_dict
+
+
+def _unquote_int64(value: dict[str, Any], descriptor: Descriptor) -> None:
+    for field in descriptor.fields:
+        if field.name not in value:
+            continue
+        item = value[field.name]
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            entry = field.message_type
+            if entry.GetOptions().map_entry:
+                value_field = entry.fields_by_name["value"]
+                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                    for sub in item.values():
+                        _unquote_int64(sub, value_field.message_type)
+                elif value_field.type in _INT64_TYPES:
+                    value[field.name] = {k: int(v) for k, v in item.items()}
+            elif field.is_repeated:
+                for sub in item:
+                    _unquote_int64(sub, entry)
+            else:
+                _unquote_int64(item, entry)
+        elif field.type in _INT64_TYPES:
+            value[field.name] = [int(v) for v in item] if field.is_repeated else int(item)

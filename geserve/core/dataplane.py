@@ -1,0 +1,131 @@
+"""The protocol-neutral operations every frontend calls: health, metadata, infer, repository, statistics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from geserve.version import __version__
+from geserve.config import message_to_json_dict
+from geserve.core.classification import classify
+from geserve.core.validation import prepare
+from geserve.errors import GeserveError, NotFoundError, UnsupportedError
+from geserve.repository.lifecycle import ModelManager
+from geserve.repository.model import LoadedModel
+from geserve.types import InferenceRequest, InferenceResponse
+
+SERVER_NAME = "geserve"
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+]
+
+
+class DataPlane:
+    def __init__(self, manager: ModelManager, explicit_control: bool, strict_readiness: bool) -> None:
+        self._manager = manager
+        self._explicit = explicit_control
+        self._strict = strict_readiness
+        self.accepting = True
+
+    # ---- health and metadata ----------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self.accepting and (not self._strict or self._manager.all_ready())
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return self._manager.is_ready(name, version)
+
+    def model(self, name: str, version: str = "") -> LoadedModel:
+        return self._manager.get(name, version)
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        model = self._manager.get(name, version)
+        record = self._manager.record(name)
+        versions = sorted(v for v, s in record.versions.items() if s.model is not None) if record else []
+        batch = [-1] if model.max_batch_size > 0 else []
+        return {
+            "name": name,
+            "versions": [str(v) for v in versions],
+            "platform": model.config.platform or model.config.backend,
+            "inputs": [
+                {"name": s.name, "datatype": s.wire_type, "shape": batch + list(s.dims)} for s in model.inputs.values()
+            ],
+            "outputs": [
+                {"name": s.name, "datatype": s.wire_type, "shape": batch + list(s.dims)}
+                for s in model.outputs.values()
+            ],
+        }
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        return message_to_json_dict(self._manager.get(name, version).config)
+
+    # ---- inference --------------------------------------------------------------------------------
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        model = self._manager.get(request.model_name, request.model_version)
+        started = time.monotonic_ns()
+        try:
+            prepare(model, request)
+            response = await model.scheduler.enqueue(request)
+            if request.outputs is not None:
+                _apply_classification(model, request, response)
+        except GeserveError:
+            model.statistics.record_request(False, time.monotonic_ns() - started)
+            raise
+        model.statistics.record_request(True, time.monotonic_ns() - started)
+        response.model_version = str(model.version)
+        return response
+
+    # ---- repository and statistics ----------------------------------------------------------------
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        return self._manager.index(ready_only)
+
+    async def load_model(self, name: str, config_json: str | None = None) -> None:
+        self._require_explicit("load")
+        await self._manager.load(name, config_json)
+
+    async def unload_model(self, name: str) -> None:
+        self._require_explicit("unload")
+        await self._manager.unload(name)
+
+    def _require_explicit(self, action: str) -> None:
+        if not self._explicit:
+            raise UnsupportedError(f"explicit model {action} is not allowed if polling is enabled")
+
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            record = self._manager.record(name)
+            if record is None:
+                raise NotFoundError(f"requested model '{name}' is not found")
+            if version:
+                models = [self._manager.get(name, version)]
+            else:
+                models = [s.model for _, s in sorted(record.versions.items()) if s.model is not None]
+                if not models:
+                    raise NotFoundError(f"requested model '{name}' is not found")
+        else:
+            models = sorted(self._manager.models(), key=lambda m: (m.name, m.version))
+        return {"model_stats": [m.statistics.as_json(m.name, str(m.version)) for m in models]}
+
+
+def _apply_classification(model: LoadedModel, request: InferenceRequest, response: InferenceResponse) -> None:
+    wanted = {o.name: o.classification for o in request.outputs or () if o.classification}
+    if not wanted:
+        return
+    batching = model.max_batch_size > 0
+    response.outputs = [
+        classify(o, wanted[o.name], model.labels.get(o.name), batching) if o.name in wanted else o
+        for o in response.outputs
+    ]

@@ -1,0 +1,100 @@
+"""The server: builds the layers from settings, loads the initial models, runs the frontends on one loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from geserve import devices
+from geserve.backends.registry import BackendRegistry
+from geserve.core.dataplane import DataPlane
+from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.frontends.http.app import HttpFrontend
+from geserve.frontends.http.server import create_http_server
+from geserve.repository.lifecycle import LifecycleOptions, ModelManager
+from geserve.repository.store import ModelStore
+from geserve.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class StartupError(Exception):
+    """The server cannot start as asked (bad repository, or a model failed with --exit-on-error)."""
+
+
+class Server:
+    def __init__(self, settings: ServerSettings) -> None:
+        if settings.model_control_mode not in ("none", "explicit"):
+            raise StartupError(
+                f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none or explicit"
+            )
+        if not settings.model_repositories:
+            raise StartupError("at least one --model-repository is required")
+        self.settings = settings
+        self.store = ModelStore(settings.model_repositories)
+        self.manager = ModelManager(
+            self.store,
+            BackendRegistry(settings.backend_config),
+            LifecycleOptions(settings.auto_complete_config, devices.default_instance_kind()),
+        )
+        self.dataplane = DataPlane(
+            self.manager,
+            explicit_control=settings.model_control_mode == "explicit",
+            strict_readiness=settings.strict_readiness,
+        )
+        self._http = None
+        self._stopped = asyncio.Event()
+
+    async def load_initial_models(self) -> None:
+        try:
+            available = self.store.scan()
+        except InvalidArgumentError as exc:
+            raise StartupError(exc.message) from None
+        if self.settings.model_control_mode == "none" or "*" in self.settings.load_models:
+            names = list(available)
+        else:
+            names = list(dict.fromkeys(self.settings.load_models))
+            unknown = [n for n in names if n not in available]
+            if unknown:
+                raise StartupError(f"--load-model names models not in any repository: {', '.join(unknown)}")
+        results = await asyncio.gather(*(self.manager.load(n) for n in names), return_exceptions=True)
+        failures = [f"{n}: {r.message}" for n, r in zip(names, results) if isinstance(r, GeserveError)]
+        unexpected = [r for r in results if isinstance(r, BaseException) and not isinstance(r, GeserveError)]
+        if unexpected:
+            raise unexpected[0]
+        if failures and self.settings.exit_on_error:
+            raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
+
+    async def start(self) -> None:
+        await self.load_initial_models()
+        if self.settings.allow_http:
+            app = HttpFrontend(self.dataplane, self.settings.http_max_input_size)
+            self._http = create_http_server(
+                app, self.settings.http_address, self.settings.http_port, self.settings.log_verbose
+            )
+            self._http_task = asyncio.create_task(self._http.serve())
+            while not self._http.started:
+                if self._http_task.done():
+                    self._http_task.result()
+                    raise StartupError(f"failed to start the HTTP service on port {self.settings.http_port}")
+                await asyncio.sleep(0.01)
+            logger.info("started HTTPService at %s:%d", self.settings.http_address, self.settings.http_port)
+
+    async def stop(self) -> None:
+        self.dataplane.accepting = False
+        if self._http is not None:
+            self._http.should_exit = True
+            await self._http_task
+        await self.manager.shutdown()
+        self._stopped.set()
+
+    async def run_until_signalled(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_requested.set)
+        await self.start()
+        await stop_requested.wait()
+        logger.info("signal received, shutting down")
+        await self.stop()

@@ -1,0 +1,111 @@
+"""Checks an inference request against its model before it is queued (Triton's wording for each fault)."""
+
+from __future__ import annotations
+
+from geserve.errors import InvalidArgumentError
+from geserve.repository.model import LoadedModel
+from geserve.types import InferenceRequest, InputTensor
+
+
+def _prefix(request: InferenceRequest) -> str:
+    return f"[request id: {request.id or '<id_unknown>'}] "
+
+
+def _shape_text(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def prepare(model: LoadedModel, request: InferenceRequest) -> None:
+    """Validate `request` and put its inputs in the model's order; sets `request.batch_size`."""
+    specs = model.inputs
+    by_name: dict[str, InputTensor] = {}
+    for tensor in request.inputs:
+        spec = specs.get(tensor.name)
+        if spec is None:
+            raise InvalidArgumentError(
+                f"unexpected inference input '{tensor.name}' for model '{model.name}'"
+            )
+        if tensor.name in by_name:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}input '{tensor.name}' appears more than once in the request for "
+                f"model '{model.name}'"
+            )
+        if tensor.datatype != spec.wire_type:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}inference input '{tensor.name}' data-type is '{tensor.datatype}', "
+                f"but model '{model.name}' expects '{spec.wire_type}'"
+            )
+        by_name[tensor.name] = tensor
+    if len(by_name) != len(specs):
+        missing = [n for n, s in specs.items() if n not in by_name and not s.optional]
+        if missing:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}expected {len(specs)} inputs but got {len(by_name)} inputs for model "
+                f"'{model.name}'. Got input(s) {list(by_name)}, but missing required input(s) {missing}. "
+                f"Please provide all required input(s)."
+            )
+    request.batch_size = _check_shapes(model, request, by_name)
+    request.inputs = [by_name[n] for n in model.input_order if n in by_name]
+    if request.outputs is not None:
+        for output in request.outputs:
+            if output.name not in model.outputs:
+                raise InvalidArgumentError(
+                    f"unexpected inference output '{output.name}' for model '{model.name}'"
+                )
+            if output.classification < 0:
+                raise InvalidArgumentError(
+                    f"{_prefix(request)}'classification' of output '{output.name}' must be a positive integer"
+                )
+
+
+def _check_shapes(model: LoadedModel, request: InferenceRequest, inputs: dict[str, InputTensor]) -> int:
+    max_batch = model.max_batch_size
+    batch = 1
+    batch_seen: int | None = None
+    for name, tensor in inputs.items():
+        dims = model.inputs[name].dims
+        shape = tensor.shape
+        if max_batch > 0:
+            if not shape:
+                _bad_shape(model, request, name, (-1, *dims), shape)
+            if batch_seen is None:
+                batch_seen = shape[0]
+            elif shape[0] != batch_seen:
+                raise InvalidArgumentError(
+                    f"{_prefix(request)}inputs of model '{model.name}' disagree on the batch size: "
+                    f"input '{name}' has {shape[0]}, another input has {batch_seen}"
+                )
+            if not _dims_match(dims, shape[1:]):
+                _bad_shape(model, request, name, (-1, *dims), shape)
+        elif not _dims_match(dims, shape):
+            _bad_shape(model, request, name, dims, shape)
+    if max_batch > 0 and batch_seen is not None:
+        batch = batch_seen
+        if batch < 1 or batch > max_batch:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}inference request batch-size must be <= {max_batch} for '{model.name}'"
+                if batch > max_batch
+                else f"{_prefix(request)}inference request batch-size must be >= 1 for '{model.name}'"
+            )
+    return batch
+
+
+def _dims_match(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    if len(dims) != len(shape):
+        return False
+    return all(d == -1 or d == s for d, s in zip(dims, shape))
+
+
+def _bad_shape(model: LoadedModel, request: InferenceRequest, name: str, expected, got) -> None:
+    note = ""
+    if model.max_batch_size > 0:
+        note = (
+            " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+            "prepended to each input shape. If you want to specify the full shape including the batch dim in "
+            "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
+            "more info on max_batch_size."
+        )
+    raise InvalidArgumentError(
+        f"{_prefix(request)}unexpected shape for input '{name}' for model '{model.name}'. "
+        f"Expected {_shape_text(expected)}, got {_shape_text(got)}.{note}"
+    )

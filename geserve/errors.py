@@ -1,0 +1,53 @@
+"""One error hierarchy for the whole server: neutral codes that each frontend maps to its own statuses."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    INVALID_ARG = "INVALID_ARG"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    INTERNAL = "INTERNAL"
+    CANCELLED = "CANCELLED"
+
+
+class GeserveError(Exception):
+    """Base of every error the server reports to a client; `code` picks the status a frontend answers."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgumentError(GeserveError):
+    code = ErrorCode.INVALID_ARG
+
+
+class NotFoundError(GeserveError):
+    code = ErrorCode.NOT_FOUND
+
+
+class UnavailableError(GeserveError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class UnsupportedError(GeserveError):
+    code = ErrorCode.UNSUPPORTED
+
+
+class AlreadyExistsError(GeserveError):
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class InternalError(GeserveError):
+    code = ErrorCode.INTERNAL
+
+
+class CancelledError(GeserveError):
+    code = ErrorCode.CANCELLED

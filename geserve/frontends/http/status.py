@@ -1,0 +1,15 @@
+"""The HTTP frontend's one table from neutral error codes to the statuses Triton answers with."""
+
+from __future__ import annotations
+
+from geserve.errors import ErrorCode
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARG: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.UNSUPPORTED: 501,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.CANCELLED: 500,
+}

@@ -1,0 +1,64 @@
+"""A loaded model version as the data plane sees it: config, scheduler, statistics and precomputed checks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from geserve.config import ModelConfig
+from geserve.core.statistics import ModelStatistics
+from geserve.scheduling.base import Scheduler
+from geserve.types.datatypes import BY_CONFIG
+
+
+class ModelState(enum.Enum):
+    UNKNOWN = "UNKNOWN"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    wire_type: str
+    dtype: np.dtype
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    version: int
+    config: ModelConfig
+    scheduler: Scheduler
+    statistics: ModelStatistics
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    input_order: tuple[str, ...] = ()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.config.max_batch_size
+
+
+def tensor_specs(tensors) -> dict[str, TensorSpec]:
+    specs = {}
+    for tensor in tensors:
+        datatype = BY_CONFIG[tensor.data_type]
+        specs[tensor.name] = TensorSpec(
+            tensor.name, datatype.wire, datatype.numpy, tuple(tensor.dims), getattr(tensor, "optional", False)
+        )
+    return specs
+
+
+@dataclass(slots=True)
+class VersionStatus:
+    state: ModelState
+    reason: str = ""
+    model: LoadedModel | None = None

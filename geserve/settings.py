@@ -1,0 +1,72 @@
+"""One settings tree for the server: command line > environment (GESERVE_*) > defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+_ENV_PREFIX = "GESERVE_"
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model_repositories: list[Path] = field(default_factory=list)
+    """Triton model repositories to serve (repeatable --model-repository)."""
+    http_address: str = "0.0.0.0"
+    http_port: int = 8000
+    allow_http: bool = True
+    grpc_address: str = "0.0.0.0"
+    grpc_port: int = 8001
+    """Reserved: the gRPC frontend binds here once it exists."""
+    allow_grpc: bool = True
+    metrics_port: int = 8002
+    """Reserved: the Prometheus endpoint binds here once it exists."""
+    allow_metrics: bool = True
+    model_control_mode: str = "none"
+    """none: load every model at start, refuse load/unload; explicit: load only --load-model, allow both."""
+    load_models: list[str] = field(default_factory=list)
+    strict_readiness: bool = True
+    """As Triton: /v2/health/ready is true only while every model is ready."""
+    exit_on_error: bool = False
+    """Exit at start if any model fails to load (Triton defaults to true; geserve keeps serving the rest)."""
+    auto_complete_config: bool = True
+    backend_config: dict[str, dict[str, str]] = field(default_factory=dict)
+    """--backend-config=<backend>,<key>=<value>, by backend."""
+    log_verbose: int = 0
+    http_max_input_size: int = 64 * 1024 * 1024
+    """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
+    http_thread_count: int = 0
+    """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ServerSettings:
+        """Defaults overridden by GESERVE_<FIELD> variables (scalar fields; lists are comma separated)."""
+        environ = os.environ if environ is None else environ
+        settings = cls()
+        for item in fields(cls):
+            raw = environ.get(_ENV_PREFIX + item.name.upper())
+            if raw is None or item.name == "backend_config":
+                continue
+            current = getattr(settings, item.name)
+            if isinstance(current, bool):
+                value: object = parse_bool(raw)
+            elif isinstance(current, int):
+                value = int(raw)
+            elif item.name == "model_repositories":
+                value = [Path(p) for p in raw.split(",") if p]
+            elif isinstance(current, list):
+                value = [p for p in raw.split(",") if p]
+            else:
+                value = raw
+            setattr(settings, item.name, value)
+        return settings
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got '{text}'")

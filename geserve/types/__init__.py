@@ -1,0 +1,22 @@
+"""Core value types shared by every layer: datatypes, tensors, requests and responses."""
+
+from geserve.types.datatypes import BY_CONFIG, BY_WIRE, DataType, from_numpy
+from geserve.types.tensors import (
+    InferenceRequest,
+    InferenceResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+)
+
+__all__ = [
+    "BY_CONFIG",
+    "BY_WIRE",
+    "DataType",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InputTensor",
+    "OutputTensor",
+    "RequestedOutput",
+    "from_numpy",
+]

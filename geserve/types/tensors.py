@@ -1,0 +1,59 @@
+"""Protocol-neutral request and response types that travel from a frontend to a backend and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class InputTensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def classification(self) -> int:
+        return int(self.parameters.get("classification", 0) or 0)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    model_name: str
+    model_version: str  # "" picks the model's latest ready version
+    inputs: list[InputTensor]
+    outputs: list[RequestedOutput] | None = None  # None: every output of the model
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    timeout_us: int = 0
+    # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
+    batch_size: int = 1
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    model_name: str
+    model_version: str
+    outputs: list[OutputTensor]
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)

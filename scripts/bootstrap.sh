@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs geserve with its test tools into .venv and builds the example model repository.
+# Idempotent and quick the second time: pip runs only when pyproject.toml changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.geserve-installed"
+wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    echo "$wanted" > "$stamp"
+fi
+.venv/bin/python examples/build.py

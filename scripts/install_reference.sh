@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Installs the reference systems geserve is compared against (see DESIGN.md "Reference systems"):
+#   * perf_analyzer from the main .venv (tritonclient 2.41.0 wheel): needs Debian's libb64-0d;
+#   * the real NVIDIA tritonserver binary from nvidia-pytriton 0.7.0, in its own venv .venv-ref
+#     (pytriton wants numpy<2 and tritonclient~=2.50, which clash with the main venv).
+# Idempotent; a second run only checks. Run from anywhere: paths are relative to the repo root.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REF_VENV="$ROOT/.venv-ref"
+PYTHON="${PYTHON:-python3}"
+PYTRITON_VERSION="0.7.0"
+
+log() { echo "install_reference: $*" >&2; }
+
+apt_updated=0
+apt_install() {
+    if ! command -v apt-get >/dev/null 2>&1; then
+        log "apt-get not available; please install: $*"
+        return 1
+    fi
+    local out
+    if [ "$apt_updated" = 0 ]; then
+        out="$(DEBIAN_FRONTEND=noninteractive apt-get update -qq 2>&1)" || { echo "$out" >&2; return 1; }
+        apt_updated=1
+    fi
+    out="$(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" 2>&1)" \
+        || { echo "$out" >&2; return 1; }
+}
+
+# (a) perf_analyzer: libb64 from Debian (libcudart.so.12 comes from the nvidia-cuda-runtime-cu12 wheel
+# in .venv; tests/support/reference.py puts it on LD_LIBRARY_PATH).
+if ! ldconfig -p | grep -q 'libb64\.so\.0d'; then
+    apt_install libb64-0d
+fi
+
+# (b) tritonserver in .venv-ref.
+if [ ! -x "$REF_VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$REF_VENV"
+fi
+PYVER="$("$REF_VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+SITE="$("$REF_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+TS="$SITE/pytriton/tritonserver"
+
+pip_quiet() {
+    # pip warns about unreachable extra indexes on some machines; show only the rest, fail on failure.
+    local out rc=0
+    out="$("$REF_VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1)" || rc=$?
+    echo "$out" | grep -v -e '^$' -e 'is ignored: it is neither a file nor a directory' \
+        -e 'requires .*, which is not installed' -e 'dependency resolver does not currently' >&2 || true
+    return "$rc"
+}
+
+if [ ! -x "$TS/bin/tritonserver" ]; then
+    # --no-deps: the pytriton Python API (and its tritonclient~=2.50) is not used, only the binary.
+    pip_quiet --no-deps "nvidia-pytriton==$PYTRITON_VERSION"
+fi
+# What the Python backend stub and our generated model.py import.
+if ! "$REF_VENV/bin/python" -c 'import numpy, onnxruntime; assert numpy.__version__ < "2"' >/dev/null 2>&1; then
+    pip_quiet "numpy<2" onnxruntime
+fi
+[ -x "$TS/bin/tritonserver" ] || { log "tritonserver binary missing at $TS/bin"; exit 1; }
+
+STUB_SRC="$TS/python_backend_stubs/$PYVER/triton_python_backend_stub"
+STUB_DST="$TS/backends/python/triton_python_backend_stub"
+if [ ! -f "$STUB_SRC" ]; then
+    log "no Python backend stub for Python $PYVER in $TS/python_backend_stubs"
+    exit 1
+fi
+if ! cmp -s "$STUB_SRC" "$STUB_DST"; then
+    cp "$STUB_SRC" "$STUB_DST"
+    chmod +x "$STUB_DST"
+fi
+
+# The wheel is auditwheel-repaired: tritonserver and libtriton_python.so find their libs through RPATH
+# (site-packages/nvidia_pytriton.libs). The stub links the system libpython<ver>.so.1.0: use the venv's
+# base interpreter's LIBDIR (reference.py does the same) and fall back to Debian's libpython package.
+BASE_LIBDIR="$("$REF_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')"
+check_ldd() {
+    LD_LIBRARY_PATH="$BASE_LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ldd "$1" | grep 'not found' || true
+}
+missing="$(check_ldd "$STUB_DST")"
+if [ -n "$missing" ]; then
+    if echo "$missing" | grep -q "libpython$PYVER"; then
+        apt_install "libpython$PYVER"
+    fi
+    missing="$(check_ldd "$STUB_DST")"
+fi
+for f in "$TS/bin/tritonserver" "$TS/backends/python/libtriton_python.so"; do
+    missing="$missing$(check_ldd "$f")"
+done
+if [ -n "$missing" ]; then
+    log "unresolved shared libraries:"
+    echo "$missing" >&2
+    exit 1
+fi
+
+# --help exits 1; it runs if it prints its usage.
+help_text="$("$TS/bin/tritonserver" --help 2>&1 || true)"
+if [[ "$help_text" != *"Usage: tritonserver"* ]]; then
+    log "tritonserver does not run: $TS/bin/tritonserver --help"
+    exit 1
+fi
