@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from geserve.version import __version__
 from geserve.config import message_to_json_dict
 from geserve.core.classification import classify
 from geserve.core.validation import prepare
-from geserve.errors import GeserveError, NotFoundError, UnsupportedError
+from geserve.errors import GeserveError, NotFoundError, UnavailableError
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.version import __version__
 
 SERVER_NAME = "geserve"
 EXTENSIONS = [
@@ -102,7 +102,7 @@ class DataPlane:
 
     def _require_explicit(self, action: str) -> None:
         if not self._explicit:
-            raise UnsupportedError(f"explicit model {action} is not allowed if polling is enabled")
+            raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
 
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
         if name:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import time
 from dataclasses import dataclass
 
-import time
-
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 
@@ -38,6 +39,8 @@ class GeInstance:
         self._session = session
         self._layout = layout
         self._string_inputs = {n for n, t in layout.inputs.items() if t.wire_type == "BYTES"}
+        uses_bf16 = any(t.wire_type == "BF16" for t in (*layout.inputs.values(), *layout.outputs.values()))
+        self._run = self._run_bound if uses_bf16 else session.run
         # (input, infer, output) nanoseconds of the last execute(); read by the pool on the same thread.
         self.last_phase_ns: tuple[int, int, int] = (0, 0, 0)
 
@@ -69,7 +72,7 @@ class GeInstance:
         feed = {t.name: self._feed(t.name, t.data, batch) for t in request.inputs}
         names = _requested_names(request, self._layout.output_names)
         fed = time.monotonic_ns()
-        results = self._session.run(names, feed)
+        results = self._run(names, feed)
         ran = time.monotonic_ns()
         outputs = [self._output(name, value, batch) for name, value in zip(names, results, strict=True)]
         self.last_phase_ns = (fed - start, ran - fed, time.monotonic_ns() - ran)
@@ -86,7 +89,7 @@ class GeInstance:
         }
         names = list(self._layout.output_names)
         fed = time.monotonic_ns()
-        results = dict(zip(names, self._session.run(names, feed), strict=True))
+        results = dict(zip(names, self._run(names, feed), strict=True))
         ran = time.monotonic_ns()
         offsets = np.cumsum([0, *sizes])
         responses: list[InferenceResponse | GeserveError] = []
@@ -98,11 +101,37 @@ class GeInstance:
         self.last_phase_ns = (fed - start, ran - fed, time.monotonic_ns() - ran)
         return responses
 
+    def _run_bound(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """ONNX Runtime's numpy bridge has no bfloat16; bind such tensors as OrtValues and read them raw."""
+        binding = self._session.io_binding()
+        for name, array in feed.items():
+            if array.dtype == ml_dtypes.bfloat16:
+                value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _ONNX_BFLOAT16)
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in names:
+            binding.bind_output(name, "cpu")
+        self._session.run_with_iobinding(binding)
+        return [_ortvalue_to_numpy(value) for value in binding.get_outputs()]
+
     def _output(self, name: str, value: np.ndarray, batch: int) -> OutputTensor:
         layout = self._layout.outputs[name]
         if layout.graph_dims is not None:
             value = value.reshape(((batch,) if self._layout.batching else ()) + layout.config_dims)
         return OutputTensor(name, layout.wire_type, value.shape, value)
+
+
+_ONNX_BFLOAT16 = 16
+
+
+def _ortvalue_to_numpy(value: ort.OrtValue) -> np.ndarray:
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    shape = value.shape()
+    count = int(np.prod(shape))
+    raw = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(value.data_ptr())) if count else np.empty(0)
+    return raw.astype(np.uint16, copy=True).view(ml_dtypes.bfloat16).reshape(shape)
 
 
 def _requested_names(request: InferenceRequest, every: tuple[str, ...]) -> list[str]:

@@ -1,0 +1,24 @@
+"""Shared fixtures: test model repositories and a real geserve server process per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import models
+from tests.support.server import RunningServer, geserve
+
+
+@pytest.fixture(scope="session")
+def good_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.good_repository(tmp_path_factory.mktemp("repo") / "models")
+
+
+@pytest.fixture(scope="session")
+def server(good_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """geserve serving every good test model, shared by the read-mostly integration tests."""
+    log = tmp_path_factory.mktemp("logs") / "geserve.log"
+    with geserve([good_repo], log) as running:
+        yield running

@@ -1,0 +1,171 @@
+"""Small real ONNX models for the tests, written with onnx.helper into Triton model repositories."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+
+_IDENTITY_TYPES = {
+    "fp16": (TensorProto.FLOAT16, "TYPE_FP16"),
+    "bf16": (TensorProto.BFLOAT16, "TYPE_BF16"),
+    "bool": (TensorProto.BOOL, "TYPE_BOOL"),
+    "bytes": (TensorProto.STRING, "TYPE_STRING"),
+    "int8": (TensorProto.INT8, "TYPE_INT8"),
+    "uint64": (TensorProto.UINT64, "TYPE_UINT64"),
+    "fp64": (TensorProto.DOUBLE, "TYPE_FP64"),
+}
+
+
+def _save(model_dir: Path, graph: onnx.GraphProto, config: str | None, version: int = 1) -> None:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (model_dir / str(version)).mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(model_dir / str(version) / "model.onnx"))
+    if config is not None:
+        (model_dir / "config.pbtxt").write_text(config)
+
+
+def simple(repo: Path, name: str = "simple", max_batch_size: int = 8, extra: str = "") -> Path:
+    """Triton's classic `simple`: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1, INT32 [16]."""
+    dims = ["batch", 16] if max_batch_size else [16]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])],
+        name,
+        [helper.make_tensor_value_info("INPUT0", TensorProto.INT32, dims),
+         helper.make_tensor_value_info("INPUT1", TensorProto.INT32, dims)],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.INT32, dims),
+         helper.make_tensor_value_info("OUTPUT1", TensorProto.INT32, dims)],
+    )
+    config = f"""
+name: "{name}"
+backend: "onnxruntime"
+max_batch_size: {max_batch_size}
+input [
+  {{ name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }},
+  {{ name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] }}
+]
+output [
+  {{ name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }},
+  {{ name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] }}
+]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+{extra}
+"""
+    model_dir = repo / name
+    _save(model_dir, graph, config)
+    return model_dir
+
+
+def identity(repo: Path, kind: str) -> Path:
+    """`identity_<kind>`: OUTPUT0 = INPUT0 for one datatype, batching, variable length."""
+    onnx_type, config_type = _IDENTITY_TYPES[kind]
+    name = f"identity_{kind}"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        name,
+        [helper.make_tensor_value_info("INPUT0", onnx_type, ["batch", "n"])],
+        [helper.make_tensor_value_info("OUTPUT0", onnx_type, ["batch", "n"])],
+    )
+    config = f"""
+name: "{name}"
+platform: "graph_executor"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: {config_type} dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: {config_type} dims: [ -1 ] }} ]
+"""
+    model_dir = repo / name
+    _save(model_dir, graph, config)
+    return model_dir
+
+
+def nobatch(repo: Path) -> Path:
+    """`nobatch`: max_batch_size 0, FP32 [2, 3] -> Relu."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["INPUT0"], ["OUTPUT0"])],
+        "nobatch",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, [2, 3])],
+    )
+    config = """
+name: "nobatch"
+backend: "npu_ge"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2, 3 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2, 3 ] } ]
+parameters { key: "device_ids" value: { string_value: "0" } }
+parameters { key: "instance_exec_blocks" value: { string_value: "1" } }
+"""
+    model_dir = repo / "nobatch"
+    _save(model_dir, graph, config)
+    return model_dir
+
+
+def autocomplete(repo: Path, name: str = "autocomplete") -> Path:
+    """A model with no config.pbtxt: FP32 [batch, 4] -> Mul by 2; everything comes from auto-complete."""
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"])],
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[two],
+    )
+    model_dir = repo / name
+    _save(model_dir, graph, None)
+    return model_dir
+
+
+def digits(repo: Path) -> Path:
+    """The example digits classifier, built by examples/build.py (cached there), copied into `repo`."""
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    from build_digits import build
+
+    source = build(EXAMPLES / "model_repository", EXAMPLES / ".build")
+    target = repo / "digits"
+    if not target.exists():
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns(".stamp"))
+    return target
+
+
+def digits_test_set() -> tuple:
+    import numpy as np
+
+    data = np.load(EXAMPLES / ".build" / "digits_test.npz")
+    return data["pixels"], data["labels"]
+
+
+def good_repository(repo: Path) -> Path:
+    """Every well-formed test model in one repository."""
+    repo.mkdir(parents=True, exist_ok=True)
+    simple(repo)
+    nobatch(repo)
+    autocomplete(repo)
+    digits(repo)
+    for kind in _IDENTITY_TYPES:
+        identity(repo, kind)
+    return repo
+
+
+def broken_repository(repo: Path) -> Path:
+    """One good model beside models that must become UNAVAILABLE with a reason naming the problem."""
+    repo.mkdir(parents=True, exist_ok=True)
+    simple(repo)
+    bad_config = simple(repo, "bad_config")
+    (bad_config / "config.pbtxt").write_text('name: "bad_config"\nmax_batch_size: eight\n')
+    bad_onnx = simple(repo, "bad_onnx")
+    (bad_onnx / "1" / "model.onnx").write_bytes(b"this is not an onnx file")
+    wrong_name = simple(repo, "wrong_name")
+    config = (wrong_name / "config.pbtxt").read_text().replace('name: "wrong_name"', 'name: "other"')
+    (wrong_name / "config.pbtxt").write_text(config)
+    bad_param = simple(repo, "bad_param", extra='parameters { key: "no_such_option" value: { string_value: "1" } }')
+    assert bad_param.exists()
+    return repo

@@ -1,0 +1,108 @@
+"""The GE backend on real ONNX Runtime sessions: auto-complete, parameters, layouts, execution (no server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from geserve.backends.base import BackendSettings, ModelSource
+from geserve.backends.ge import GeBackend
+from geserve.backends.ge.parameters import parse_ge_options
+from geserve.config import ModelConfig, fill_defaults, parse_config_text, validate
+from geserve.devices import KIND_CPU, threads_per_instance
+from geserve.errors import InvalidArgumentError
+from geserve.types import InferenceRequest, InputTensor
+from tests.support import models
+
+
+def _complete(model_dir: Path, text: str = "", max_batch: int = 4) -> ModelConfig:
+    config = parse_config_text(text, "test") if text else ModelConfig()
+    config.name = config.name or model_dir.name
+    config.backend = config.backend or "ge"
+    backend = GeBackend(BackendSettings({"default-max-batch-size": str(max_batch)}))
+    backend.auto_complete_config(config, ModelSource(model_dir, 1))
+    fill_defaults(config, KIND_CPU, backend.default_model_filename)
+    validate(config, model_dir.name)
+    return config
+
+
+def test_auto_complete_fills_signature_and_batching(tmp_path: Path) -> None:
+    model_dir = models.autocomplete(tmp_path)
+    config = _complete(model_dir, max_batch=16)
+    assert config.max_batch_size == 16
+    assert [(t.name, list(t.dims)) for t in config.input] == [("x", [4])]
+    assert [(t.name, list(t.dims)) for t in config.output] == [("y", [4])]
+
+
+def test_auto_complete_keeps_full_rank_dims_without_batching(tmp_path: Path) -> None:
+    model_dir = models.nobatch(tmp_path)
+    config = _complete(model_dir, (model_dir / "config.pbtxt").read_text().replace('backend: "npu_ge"', ""))
+    assert config.max_batch_size == 0
+    assert list(config.input[0].dims) == [2, 3]
+
+
+def test_auto_complete_scalar_output_gets_reshape(tmp_path: Path) -> None:
+    models.digits(tmp_path)
+    config = _complete(tmp_path / "digits", 'name: "digits" platform: "graph_executor" max_batch_size: 8')
+    label = next(t for t in config.output if t.name == "label")
+    assert list(label.dims) == [1] and label.HasField("reshape") and list(label.reshape.shape) == []
+
+
+def test_config_that_disagrees_with_graph_is_rejected(tmp_path: Path) -> None:
+    model_dir = models.simple(tmp_path)
+    text = (model_dir / "config.pbtxt").read_text().replace("TYPE_INT32 dims: [ 16 ] }},", "TYPE_FP32 dims: [ 16 ] },", 1)
+    text = text.replace('{ name: "INPUT0" data_type: TYPE_INT32', '{ name: "INPUT0" data_type: TYPE_FP32')
+    config = _complete(model_dir, text)
+    with pytest.raises(InvalidArgumentError, match="unexpected datatype TYPE_FP32 for input 'INPUT0'"):
+        GeBackend().create_instances(config, ModelSource(model_dir, 1))
+
+
+def test_instances_execute_single_and_batched_requests(tmp_path: Path) -> None:
+    model_dir = models.simple(tmp_path)
+    config = _complete(model_dir, (model_dir / "config.pbtxt").read_text())
+    config.instance_group[0].count = 2
+    instances = GeBackend().create_instances(config, ModelSource(model_dir, 1))
+    assert len(instances) == 2 and instances[0].name == "simple_0_0"
+
+    def request(rows: int, offset: int) -> InferenceRequest:
+        a = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16) + offset
+        b = np.ones((rows, 16), dtype=np.int32)
+        req = InferenceRequest("simple", "", [InputTensor("INPUT0", "INT32", a.shape, a), InputTensor("INPUT1", "INT32", b.shape, b)])
+        req.batch_size = rows
+        return req
+
+    (single,) = instances[0].execute([request(1, 0)])
+    assert single.outputs[0].data.tolist() == (np.arange(16) + 1).reshape(1, 16).tolist()
+    first, second = instances[1].execute([request(2, 0), request(1, 100)])
+    assert first.outputs[0].shape == (2, 16) and second.outputs[0].shape == (1, 16)
+    assert second.outputs[1].data.tolist() == (np.arange(16) + 99).reshape(1, 16).tolist()
+
+
+def test_both_parameter_dialects_are_read_and_unknown_rejected() -> None:
+    config = parse_config_text(
+        """
+        name: "m"
+        parameters { key: "DEVICE_ID" value: { string_value: "1" } }
+        parameters { key: "EXECUTOR_TYPE" value: { string_value: "ge" } }
+        parameters { key: "instance_exec_blocks" value: { string_value: "2" } }
+        parameters { key: "session.ge.exec.precision_mode" value: { string_value: "allow_fp32_to_fp16" } }
+        parameters { key: "ort.session.intra_op.allow_spinning" value: { string_value: "0" } }
+        parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+        """,
+        "test",
+    )
+    options = parse_ge_options(config)
+    assert options.device_ids == [1] and options.executor_type == "GE" and options.instance_exec_blocks == 2
+    assert options.ge_options == {"session.ge.exec.precision_mode": "allow_fp32_to_fp16"}
+    assert options.ort_config_entries == {"session.intra_op.allow_spinning": "0"}
+    assert options.intra_op_threads == 1
+    config.parameters["typo_option"].string_value = "1"
+    with pytest.raises(InvalidArgumentError, match="unknown parameter 'typo_option'"):
+        parse_ge_options(config)
+
+
+def test_threads_are_shared_between_instances() -> None:
+    assert threads_per_instance(1) >= threads_per_instance(2) >= 1
+    assert threads_per_instance(1000) == 1
