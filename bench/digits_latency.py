@@ -91,11 +91,16 @@ def main() -> int:
 
     rows = [
         ("raw ONNX Runtime session.run (in-process)", med(raw_p50), med(raw_p99), "-"),
-        ("geserve HTTP, binary tensors, perf_analyzer c=1", med(served_p50), med(served_p99), f"{med(served_tput):.0f}"),
+        (
+            "geserve HTTP, binary tensors, perf_analyzer c=1",
+            med(served_p50),
+            med(served_p99),
+            f"{med(served_tput):.0f}",
+        ),
     ]
     table = ["| system | p50 µs | p99 µs | infer/s |", "|---|---:|---:|---:|"]
     table += [f"| {name} | {p50:.0f} | {p99:.0f} | {tput} |" for name, p50, p99, tput in rows]
-    table.append(f"| geserve − raw (server + HTTP + client overhead) | {med(served_p50) - med(raw_p50):.0f} | | |")
+    table.append(f"| geserve minus raw (server + HTTP + client overhead) | {med(served_p50) - med(raw_p50):.0f} | | |")
     text = "\n".join(table)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_digits import build as build_digits  # noqa: E402
+from build_digits import build as build_digits
 
 HERE = Path(__file__).resolve().parent
 REPOSITORY = HERE / "model_repository"

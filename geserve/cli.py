@@ -58,7 +58,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="geserve", description="Triton-compatible inference server", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="geserve", description="Triton-compatible inference server", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"geserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve_arguments(commands.add_parser("serve", help="serve Triton model repositories", allow_abbrev=False))

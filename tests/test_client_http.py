@@ -74,7 +74,9 @@ def test_compressed_request_and_response(client: httpclient.InferenceServerClien
     ],
 )
 @pytest.mark.parametrize("binary", [True, False])
-def test_datatypes_round_trip(client: httpclient.InferenceServerClient, model: str, array: np.ndarray, binary: bool) -> None:
+def test_datatypes_round_trip(
+    client: httpclient.InferenceServerClient, model: str, array: np.ndarray, binary: bool
+) -> None:
     datatype = client.get_model_metadata(model)["inputs"][0]["datatype"]
     tensor = httpclient.InferInput("INPUT0", array.shape, datatype)
     tensor.set_data_from_numpy(array, binary_data=binary)

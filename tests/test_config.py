@@ -41,7 +41,7 @@ def test_json_round_trip_through_load_override_form() -> None:
 
 
 def test_parse_error_names_the_source() -> None:
-    with pytest.raises(InvalidArgumentError, match="failed to parse /x/config.pbtxt"):
+    with pytest.raises(InvalidArgumentError, match=r"failed to parse /x/config\.pbtxt"):
         parse_config_text("max_batch_size: eight", "/x/config.pbtxt")
 
 

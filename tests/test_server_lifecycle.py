@@ -44,7 +44,7 @@ def broken_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_bad_models_are_unavailable_with_reasons_and_others_serve(broken_repo: Path, tmp_path: Path) -> None:
     with geserve([broken_repo], tmp_path / "log") as server:
-        status, body = _post(server.base + "/v2/repository/index")
+        _, body = _post(server.base + "/v2/repository/index")
         index = {entry["name"]: entry for entry in json.loads(body)}
         assert index["simple"]["state"] == "READY"
         expectations = {
@@ -138,7 +138,7 @@ def test_reload_keeps_serving_while_requests_flow(good_repo: Path, tmp_path: Pat
         def traffic() -> int:
             client = httpclient.InferenceServerClient(server.url)
             a = np.ones((1, 16), dtype=np.int32)
-            tensors = [httpclient.InferInput("INPUT0", [1, 16], "INT32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+            tensors = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
             for tensor in tensors:
                 tensor.set_data_from_numpy(a)
             count = 0

@@ -59,7 +59,7 @@ class Server:
             if unknown:
                 raise StartupError(f"--load-model names models not in any repository: {', '.join(unknown)}")
         results = await asyncio.gather(*(self.manager.load(n) for n in names), return_exceptions=True)
-        failures = [f"{n}: {r.message}" for n, r in zip(names, results) if isinstance(r, GeserveError)]
+        failures = [f"{n}: {r.message}" for n, r in zip(names, results, strict=True) if isinstance(r, GeserveError)]
         unexpected = [r for r in results if isinstance(r, BaseException) and not isinstance(r, GeserveError)]
         if unexpected:
             raise unexpected[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -78,10 +79,8 @@ class ModelManager:
 
     def known_names(self) -> list[str]:
         names = set(self._records)
-        try:
+        with contextlib.suppress(GeserveError):
             names.update(self._store.scan())
-        except GeserveError:
-            pass
         return sorted(names)
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:

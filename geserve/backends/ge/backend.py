@@ -118,7 +118,10 @@ def _tensor_layout(config, tensor, graph: list[GraphTensor], kind: str, path: Pa
     graph_dims = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
     expected = found.shape[1:] if batching else found.shape
     checked = graph_dims if graph_dims is not None else config_dims
-    if len(expected) != len(checked) or any(e not in (-1, c) and c != -1 for e, c in zip(expected, checked)):
+    compatible = len(expected) == len(checked) and all(
+        -1 in (e, c) or e == c for e, c in zip(expected, checked, strict=True)
+    )
+    if not compatible:
         raise InvalidArgumentError(
             f"model '{config.name}': {kind} '{tensor.name}' has dims {list(checked)} in the configuration "
             f"but shape {list(found.shape)} in {path}"

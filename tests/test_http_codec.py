@@ -1,0 +1,104 @@
+"""The HTTP wire codec on its own: JSON and binary tensors, BYTES framing, raw bodies, response encoding."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from geserve.errors import InvalidArgumentError
+from geserve.frontends.http.codec import decode_infer_request, encode_infer_response, tensor_bytes
+from geserve.types import InferenceResponse, OutputTensor
+
+
+def _body(header: dict, *binaries: bytes) -> tuple[bytes, int]:
+    head = json.dumps(header).encode()
+    return head + b"".join(binaries), len(head)
+
+
+def test_binary_inputs_are_views_of_the_body_not_copies() -> None:
+    a = np.arange(8, dtype=np.float32)
+    body, length = _body(
+        {"inputs": [{"name": "a", "shape": [2, 4], "datatype": "FP32", "parameters": {"binary_data_size": 32}},
+                    {"name": "b", "shape": [1], "datatype": "INT64", "data": [7]}]},
+        a.tobytes(),
+    )
+    request = decode_infer_request(body, length, "m", "", None)
+    tensor = request.inputs[0]
+    assert tensor.shape == (2, 4) and np.shares_memory(tensor.data, np.frombuffer(body, np.uint8))
+    np.testing.assert_array_equal(tensor.data.reshape(-1), a)
+    assert request.inputs[1].data.tolist() == [7]
+
+
+def test_bytes_tensors_use_length_prefixes() -> None:
+    items = [b"hi", b"", b"\x00\xff"]
+    raw = b"".join(struct.pack("<I", len(v)) + v for v in items)
+    body, length = _body(
+        {"inputs": [{"name": "s", "shape": [3], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}]},
+        raw,
+    )
+    tensor = decode_infer_request(body, length, "m", "", None).inputs[0]
+    assert tensor.data.tolist() == items
+    assert tensor_bytes(OutputTensor("s", "BYTES", (3,), tensor.data)) == raw
+
+
+@pytest.mark.parametrize(
+    ("header", "binary"),
+    [
+        ({"inputs": [{"name": "a", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 4}}]},
+         b"\0" * 4),
+        ({"inputs": [{"name": "a", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]},
+         b"\0" * 12),
+        ({"inputs": [{"name": "a", "shape": [2], "datatype": "FP32", "data": [1, 2, 3]}]}, b""),
+        ({"inputs": [{"name": "a", "shape": [2], "datatype": "FP32", "data": ["x", "y"]}]}, b""),
+        ({"inputs": [{"name": "a", "shape": [2], "datatype": "FLOAT", "data": [1, 2]}]}, b""),
+        ({"inputs": [{"name": "a", "shape": [-2], "datatype": "FP32", "data": []}]}, b""),
+        ({"inputs": [{"name": "s", "shape": [2], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}]},
+         struct.pack("<I", 1) + b"x"),
+        ({"inputs": [{"name": "a", "shape": [1], "datatype": "UINT8", "data": [300]}]}, b""),
+        ({"inputs": []}, b"extra"),
+        ({"inputs": [], "parameters": {"triton_enable_empty_final_response": True}}, b""),
+        ({"no_inputs": []}, b""),
+    ],
+    ids=["short-binary", "unclaimed-bytes", "data-count", "data-type", "bad-datatype", "negative-dim",
+         "bytes-overrun", "out-of-range", "trailing-binary", "triton-parameter", "no-inputs"],
+)
+def test_malformed_requests_are_invalid_argument(header: dict, binary: bytes) -> None:
+    body, length = _body(header, binary)
+    with pytest.raises(InvalidArgumentError):
+        decode_infer_request(body, length, "m", "", None)
+
+
+def test_malformed_json_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgumentError, match="failed to parse"):
+        decode_infer_request(b'{"inputs": [', None, "m", "", None)
+
+
+def test_response_binary_and_json_outputs() -> None:
+    request = decode_infer_request(
+        json.dumps({"id": "7", "inputs": [], "outputs": [{"name": "x", "parameters": {"binary_data": True}},
+                                                          {"name": "y"}]}).encode(),
+        None, "m", "", None,
+    )
+    x = np.arange(3, dtype=np.int32)
+    y = np.array([0.5, 1.5], dtype=np.float16)
+    outputs = [OutputTensor("x", "INT32", (3,), x), OutputTensor("y", "FP16", (2,), y)]
+    response = InferenceResponse("m", "1", outputs, "7")
+    parts, length = encode_infer_response(response, request)
+    body = b"".join(bytes(p) for p in parts)
+    header = json.loads(body[:length])
+    assert header["id"] == "7" and header["model_version"] == "1"
+    assert header["outputs"][0]["parameters"] == {"binary_data_size": 12}
+    assert header["outputs"][1]["data"] == [0.5, 1.5]
+    assert body[length:] == x.tobytes()
+
+
+def test_binary_data_output_parameter_makes_every_output_binary() -> None:
+    request = decode_infer_request(
+        json.dumps({"inputs": [], "parameters": {"binary_data_output": True}}).encode(), None, "m", "", None
+    )
+    response = InferenceResponse("m", "1", [OutputTensor("x", "BOOL", (2,), np.array([True, False]))])
+    parts, length = encode_infer_response(response, request)
+    assert length is not None and bytes(parts[1]) == b"\x01\x00"
