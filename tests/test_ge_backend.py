@@ -52,7 +52,8 @@ def test_auto_complete_scalar_output_gets_reshape(tmp_path: Path) -> None:
 
 def test_config_that_disagrees_with_graph_is_rejected(tmp_path: Path) -> None:
     model_dir = models.simple(tmp_path)
-    text = (model_dir / "config.pbtxt").read_text().replace('{ name: "INPUT0" data_type: TYPE_INT32', '{ name: "INPUT0" data_type: TYPE_FP32')
+    text = (model_dir / "config.pbtxt").read_text()
+    text = text.replace('{ name: "INPUT0" data_type: TYPE_INT32', '{ name: "INPUT0" data_type: TYPE_FP32')
     config = _complete(model_dir, text)
     with pytest.raises(InvalidArgumentError, match="unexpected datatype TYPE_FP32 for input 'INPUT0'"):
         GeBackend().create_instances(config, ModelSource(model_dir, 1))
