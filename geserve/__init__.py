@@ -1,3 +1,20 @@
 """geserve: a Triton-compatible inference server whose GE backend runs compiled graphs on any accelerator."""
 
-__version__ = "0.1.0"
+from geserve.core.server import Server
+from geserve.errors import ErrorCode, GeserveError
+from geserve.settings import ServerSettings
+from geserve.types import InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
+from geserve.version import __version__
+
+__all__ = [
+    "ErrorCode",
+    "GeserveError",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InputTensor",
+    "OutputTensor",
+    "RequestedOutput",
+    "Server",
+    "ServerSettings",
+    "__version__",
+]

@@ -1,0 +1,32 @@
+"""The public in-process API: a Server without any frontend, driven through its data plane."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from geserve import GeserveError, InferenceRequest, InputTensor, RequestedOutput, Server, ServerSettings
+
+
+def test_in_process_inference_and_shutdown(good_repo: Path) -> None:
+    async def run() -> None:
+        server = Server(ServerSettings(model_repositories=[good_repo], allow_http=False))
+        await server.start()
+        assert server.dataplane.ready()
+        a = np.arange(32, dtype=np.int32).reshape(2, 16)
+        request = InferenceRequest(
+            "simple", "", [InputTensor("INPUT1", "INT32", a.shape, a), InputTensor("INPUT0", "INT32", a.shape, a)],
+            outputs=[RequestedOutput("OUTPUT1")],
+        )
+        response = await server.dataplane.infer(request)
+        assert [o.name for o in response.outputs] == ["OUTPUT1"] and response.model_version == "1"
+        np.testing.assert_array_equal(response.outputs[0].data, np.zeros_like(a))
+        with pytest.raises(GeserveError, match="unknown model"):
+            await server.dataplane.infer(InferenceRequest("nope", "", []))
+        await server.stop()
+        assert not server.dataplane.ready()
+
+    asyncio.run(run())
