@@ -171,7 +171,7 @@ def test_statistics_count_known_traffic(client: httpclient.InferenceServerClient
     after = client.get_inference_statistics("nobatch")["model_stats"][0]
     stats, old = after["inference_stats"], before["inference_stats"]
     assert stats["success"]["count"] - old["success"]["count"] == 3
-    assert stats["fail"]["count"] - old["fail"]["count"] == 1
+    assert stats["fail"]["count"] == old["fail"]["count"]  # refused before the model ran: no failure (Triton)
     assert after["execution_count"] - before["execution_count"] == 3
     assert after["inference_count"] - before["inference_count"] == 3
     for key in ("queue", "compute_input", "compute_infer", "compute_output"):

@@ -26,12 +26,18 @@ def test_json_form_prints_defaults_and_int64_as_numbers() -> None:
     assert as_json["output"][0]["reshape"] == {"shape": [2, 2]}
     assert as_json["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     assert as_json["version_policy"] == {"latest": {"num_versions": 1}}
-    assert as_json["instance_group"][0]["name"] == "m_0"
+    assert as_json["instance_group"][0]["name"] == "m"  # Triton's default group is named after the model
     assert as_json["instance_group"][0]["kind"] == "KIND_CPU"
     assert as_json["instance_group"][0]["count"] == 1
     assert as_json["default_model_filename"] == "model.onnx"
     assert as_json["input"][0]["format"] == "FORMAT_NONE"  # a default printed, as Triton does
     assert as_json["model_warmup"] == []
+
+
+def test_unnamed_configured_groups_are_numbered() -> None:
+    config = parse_config_text(SIMPLE + "instance_group [ { count: 2 }, { count: 1 } ]", "test")
+    fill_defaults(config, KIND_CPU, "model.onnx")
+    assert [(g.name, g.count, g.kind) for g in config.instance_group] == [("m_0", 2, KIND_CPU), ("m_1", 1, KIND_CPU)]
 
 
 def test_json_round_trip_through_load_override_form() -> None:

@@ -16,7 +16,7 @@ def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
     if not config.instance_group:
-        config.instance_group.add()
+        config.instance_group.add().name = config.name  # Triton names its default group after the model
     for index, group in enumerate(config.instance_group):
         if not group.name:
             group.name = f"{config.name}_{index}"

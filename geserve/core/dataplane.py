@@ -8,7 +8,7 @@ from typing import Any
 from geserve.config import message_to_json_dict
 from geserve.core.classification import classify
 from geserve.core.validation import prepare
-from geserve.errors import GeserveError, NotFoundError, UnavailableError
+from geserve.errors import GeserveError, InvalidArgumentError, UnavailableError
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
 from geserve.types import InferenceRequest, InferenceResponse
@@ -75,8 +75,8 @@ class DataPlane:
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         model = self._manager.get(request.model_name, request.model_version)
         started = time.monotonic_ns()
+        prepare(model, request)  # a request the model never sees is no failure of the model's (Triton's stats)
         try:
-            prepare(model, request)
             response = await model.scheduler.enqueue(request)
             if request.outputs is not None:
                 _apply_classification(model, request, response)
@@ -107,14 +107,13 @@ class DataPlane:
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
         if name:
             record = self._manager.record(name)
-            if record is None:
-                raise NotFoundError(f"requested model '{name}' is not found")
+            models = [s.model for _, s in sorted(record.versions.items()) if s.model is not None] if record else []
+            if not models:
+                raise InvalidArgumentError(f"requested model '{name}' is not available")
             if version:
-                models = [self._manager.get(name, version)]
-            else:
-                models = [s.model for _, s in sorted(record.versions.items()) if s.model is not None]
+                models = [m for m in models if str(m.version) == version]
                 if not models:
-                    raise NotFoundError(f"requested model '{name}' is not found")
+                    raise InvalidArgumentError(f"requested model version is not available for model '{name}'")
         else:
             models = sorted(self._manager.models(), key=lambda m: (m.name, m.version))
         return {"model_stats": [m.statistics.as_json(m.name, str(m.version)) for m in models]}

@@ -15,6 +15,10 @@ def _shape_text(shape) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
+def _names_text(names) -> str:
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
 def prepare(model: LoadedModel, request: InferenceRequest) -> None:
     """Validate `request` and put its inputs in the model's order; sets `request.batch_size`."""
     specs = model.inputs
@@ -26,10 +30,7 @@ def prepare(model: LoadedModel, request: InferenceRequest) -> None:
                 f"unexpected inference input '{tensor.name}' for model '{model.name}'"
             )
         if tensor.name in by_name:
-            raise InvalidArgumentError(
-                f"{_prefix(request)}input '{tensor.name}' appears more than once in the request for "
-                f"model '{model.name}'"
-            )
+            raise InvalidArgumentError(f"{_prefix(request)}input '{tensor.name}' already exists in request")
         if tensor.datatype != spec.wire_type:
             raise InvalidArgumentError(
                 f"{_prefix(request)}inference input '{tensor.name}' data-type is '{tensor.datatype}', "
@@ -41,7 +42,8 @@ def prepare(model: LoadedModel, request: InferenceRequest) -> None:
         if missing:
             raise InvalidArgumentError(
                 f"{_prefix(request)}expected {len(specs)} inputs but got {len(by_name)} inputs for model "
-                f"'{model.name}'. Got input(s) {list(by_name)}, but missing required input(s) {missing}. "
+                f"'{model.name}'. Got input(s) {_names_text(by_name)}, but missing required input(s) "
+                f"{_names_text(missing)}. "
                 f"Please provide all required input(s)."
             )
     request.batch_size = _check_shapes(model, request, by_name)
@@ -59,53 +61,56 @@ def prepare(model: LoadedModel, request: InferenceRequest) -> None:
 
 
 def _check_shapes(model: LoadedModel, request: InferenceRequest, inputs: dict[str, InputTensor]) -> int:
+    """Triton's order: every input's batch dim first, then the batch size against the model, then the dims."""
     max_batch = model.max_batch_size
-    batch = 1
-    batch_seen: int | None = None
+    if max_batch <= 0:
+        for name, tensor in inputs.items():
+            if not _dims_match(model.inputs[name].dims, tensor.shape):
+                _bad_shape(model, request, name, model.inputs[name].dims, tensor.shape)
+        return 1
+    batch: int | None = None
+    for name, tensor in inputs.items():
+        if not tensor.shape:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}input '{name}' has no shape but model requires batch dimension for '{model.name}'"
+            )
+        if batch is None:
+            batch = tensor.shape[0]
+        elif tensor.shape[0] != batch:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}input '{name}' batch size does not match other inputs for '{model.name}'"
+            )
+    if batch is None:
+        return 1
+    if batch > max_batch:
+        raise InvalidArgumentError(
+            f"{_prefix(request)}inference request batch-size must be <= {max_batch} for '{model.name}'"
+        )
+    if batch < 1:
+        raise InvalidArgumentError(f"{_prefix(request)}inference request batch-size must be >= 1 for '{model.name}'")
     for name, tensor in inputs.items():
         dims = model.inputs[name].dims
-        shape = tensor.shape
-        if max_batch > 0:
-            if not shape:
-                _bad_shape(model, request, name, (-1, *dims), shape)
-            if batch_seen is None:
-                batch_seen = shape[0]
-            elif shape[0] != batch_seen:
-                raise InvalidArgumentError(
-                    f"{_prefix(request)}inputs of model '{model.name}' disagree on the batch size: "
-                    f"input '{name}' has {shape[0]}, another input has {batch_seen}"
-                )
-            if not _dims_match(dims, shape[1:]):
-                _bad_shape(model, request, name, (-1, *dims), shape)
-        elif not _dims_match(dims, shape):
-            _bad_shape(model, request, name, dims, shape)
-    if max_batch > 0 and batch_seen is not None:
-        batch = batch_seen
-        if batch < 1 or batch > max_batch:
-            raise InvalidArgumentError(
-                f"{_prefix(request)}inference request batch-size must be <= {max_batch} for '{model.name}'"
-                if batch > max_batch
-                else f"{_prefix(request)}inference request batch-size must be >= 1 for '{model.name}'"
-            )
+        if not _dims_match(dims, tensor.shape[1:]):
+            _bad_shape(model, request, name, (-1, *dims), tensor.shape)
     return batch
 
 
 def _dims_match(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     if len(dims) != len(shape):
         return False
-    return all(d == -1 or d == s for d, s in zip(dims, shape))
+    return all(d == -1 or d == s for d, s in zip(dims, shape, strict=True))
 
 
 def _bad_shape(model: LoadedModel, request: InferenceRequest, name: str, expected, got) -> None:
     note = ""
     if model.max_batch_size > 0:
         note = (
-            " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+            "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
             "prepended to each input shape. If you want to specify the full shape including the batch dim in "
             "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
             "more info on max_batch_size."
         )
     raise InvalidArgumentError(
         f"{_prefix(request)}unexpected shape for input '{name}' for model '{model.name}'. "
-        f"Expected {_shape_text(expected)}, got {_shape_text(got)}.{note}"
+        f"Expected {_shape_text(expected)}, got {_shape_text(got)}. {note}"
     )

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from geserve.core.dataplane import DataPlane
-from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnsupportedError
 from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
 from geserve.frontends.http.status import HTTP_STATUS
 
@@ -24,11 +24,25 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = b"application/json"
 _TEXT = b"text/plain"
 _OCTETS = b"application/octet-stream"
-_EMPTY_OK = (200, b"", _TEXT)
+_MODEL_ACTIONS = {"": "GET", "ready": "GET", "config": "GET", "stats": "GET", "infer": "POST"}
+
+Response = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]
 
 
 class BodyTooLarge(InvalidArgumentError):
     pass
+
+
+class HeaderLengthError(InvalidArgumentError):
+    pass
+
+
+class UnsupportedEncoding(UnsupportedError):
+    pass
+
+
+# Triton answers these from its HTTP layer with a text/plain content type (the body is still JSON).
+_PLAIN_TEXT_ERRORS = (HeaderLengthError, UnsupportedEncoding)
 
 
 class ClientDisconnected(Exception):
@@ -52,7 +66,8 @@ class HttpFrontend:
         except ClientDisconnected:
             return
         except GeserveError as exc:
-            status, body, content_type = HTTP_STATUS[exc.code], _error_body(exc.message), _JSON
+            status, body = HTTP_STATUS[exc.code], _error_body(exc.message)
+            content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
             extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
         except Exception as exc:  # never let one request take the server down
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
@@ -61,64 +76,69 @@ class HttpFrontend:
         await send({"type": "http.response.start", "status": status, "headers": response_headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _dispatch(
-        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]
-    ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+    async def _dispatch(self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]) -> Response:
+        """Triton's routes; a known route asked with the wrong method is 405, anything else 404."""
         method = scope["method"]
-        parts = scope["path"].strip("/").split("/")
+        parts = scope["path"].split("/")[1:]
         if not parts or parts[0] != "v2":
             return _not_found()
-        if len(parts) >= 3 and parts[1] == "models" and (parts[2] != "stats" or len(parts) > 3):
-            name = parts[2]
-            version = ""
-            rest = parts[3:]
-            if len(rest) >= 2 and rest[0] == "versions":
-                version, rest = rest[1], rest[2:]
-            action = rest[0] if rest else ""
-            if len(rest) > 1:
-                return _not_found()
-            if action == "infer" and method == "POST":
-                return await self._infer(name, version, receive, headers)
-            if method != "GET" and not (action == "stats" and method == "POST"):
-                return _not_found()
-            return self._model_get(name, version, action)
-        route = "/".join(parts[1:])
-        if method == "GET":
-            if route == "health/live":
-                return _EMPTY_OK + ([],) if self._dataplane.live() else (400, b"", _TEXT, [])
-            if route == "health/ready":
-                return _EMPTY_OK + ([],) if self._dataplane.ready() else (400, b"", _TEXT, [])
-            if route == "":
-                return _json(self._dataplane.server_metadata())
-            if route == "models/stats":
-                return _json(self._dataplane.statistics())
-            return _not_found()
-        if method == "POST":
-            if route == "repository/index":
+        if len(parts) == 1:
+            return _json(self._dataplane.server_metadata()) if method == "GET" else _not_allowed()
+        group = parts[1]
+        if group == "models" and len(parts) > 2:
+            if parts[2:] == ["stats"]:
+                return _json(self._dataplane.statistics()) if method == "GET" else _not_allowed()
+            return await self._model_route(method, parts[2:], receive, headers)
+        if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
+            if method != "GET":
+                return _not_allowed(_TEXT)
+            ok = self._dataplane.live() if parts[2] == "live" else self._dataplane.ready()
+            return (200, b"", _TEXT, []) if ok else (400, b"", _TEXT, [])
+        if group == "repository":
+            if parts[2:] == ["index"]:
+                if method != "POST":
+                    return _not_allowed()
                 body = await self._read_body(receive, headers)
                 options = parse_json(body) if body.strip() else {}
-                ready = bool(options.get("ready", False)) if isinstance(options, dict) else False
+                ready = options.get("ready", False) if isinstance(options, dict) else False
+                if not isinstance(ready, bool):
+                    raise InvalidArgumentError("Unable to parse 'ready': attempt to access JSON non-boolean as boolean")
                 return _json(self._dataplane.repository_index(ready))
-            if len(parts) == 5 and parts[1] == "repository" and parts[2] == "models":
+            if len(parts) == 5 and parts[2] == "models" and parts[3] and parts[4] in ("load", "unload"):
+                if method != "POST":
+                    return _not_allowed()
                 return await self._repository_action(parts[3], parts[4], receive, headers)
         return _not_found()
 
-    def _model_get(self, name: str, version: str, action: str) -> tuple[int, bytes, bytes, list]:
+    async def _model_route(
+        self, method: str, parts: list[str], receive: Receive, headers: dict[bytes, bytes]
+    ) -> Response:
+        """`parts` follow /v2/models/: {name}[/versions/{digits}][/ready|/config|/stats|/infer]."""
+        name, version, rest = parts[0], "", parts[1:]
+        if rest[:1] == ["versions"]:
+            if len(rest) < 2 or not rest[1].isdigit():
+                return _not_found()
+            version, rest = rest[1], rest[2:]
+        action = rest[0] if rest else ""
+        if not name or len(rest) > 1 or action not in _MODEL_ACTIONS:
+            return _not_found()
+        if method != _MODEL_ACTIONS[action]:
+            return _not_allowed(_TEXT if action in ("infer", "ready") else _JSON)
+        if action == "infer":
+            return await self._infer(name, version, receive, headers)
         if action == "":
             return _json(self._dataplane.model_metadata(name, version))
         if action == "ready":
             if self._dataplane.model_ready(name, version):
-                return _EMPTY_OK + ([],)
+                return 200, b"", _TEXT, []
             return 400, _error_body("Model version not ready"), _TEXT, []
         if action == "config":
             return _json(self._dataplane.model_config(name, version))
-        if action == "stats":
-            return _json(self._dataplane.statistics(name, version))
-        return _not_found()
+        return _json(self._dataplane.statistics(name, version))
 
     async def _repository_action(
         self, name: str, action: str, receive: Receive, headers: dict[bytes, bytes]
-    ) -> tuple[int, bytes, bytes, list]:
+    ) -> Response:
         body = await self._read_body(receive, headers)
         options = parse_json(body) if body.strip() else {}
         parameters = options.get("parameters", {}) if isinstance(options, dict) else {}
@@ -138,9 +158,11 @@ class HttpFrontend:
             return 200, b"", _JSON, []
         return _not_found()
 
-    async def _infer(
-        self, name: str, version: str, receive: Receive, headers: dict[bytes, bytes]
-    ) -> tuple[int, bytes, bytes, list]:
+    async def _infer(self, name: str, version: str, receive: Receive, headers: dict[bytes, bytes]) -> Response:
+        try:  # the model first, as Triton: an unknown one is 404 (text/plain) whatever the body holds
+            model = self._dataplane.model(name, version)  # the data plane looks again: a reload may swap it
+        except NotFoundError as exc:
+            return 404, _error_body(exc.message), _TEXT, []
         body = await self._read_body(receive, headers)
         header_length = headers.get(b"inference-header-content-length")
         length: int | None = None
@@ -151,8 +173,9 @@ class HttpFrontend:
                 raise RequestParseError(
                     f"Inference-Header-Content-Length must be an integer, got {header_length.decode(errors='replace')}"
                 ) from None
-        raw_model = self._dataplane.model(name, version) if length == 0 else None
-        request = decode_infer_request(body, length, name, version, raw_model)
+            if not 0 <= length <= len(body):
+                raise HeaderLengthError(f"inference header size should be in range (0, {len(body)}), got: {length}")
+        request = decode_infer_request(body, length, name, version, model if length == 0 else None)
         response = await self._dataplane.infer(request)
         parts, json_length = encode_infer_response(response, request)
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -203,7 +226,7 @@ def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     if encoding == b"identity":
         return body
     if encoding not in (b"gzip", b"deflate"):
-        raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode(errors='replace')}'")
+        raise UnsupportedEncoding("Unsupported compression type")
     wbits = 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS
     decompressor = zlib.decompressobj(wbits)
     try:
@@ -225,7 +248,7 @@ def _response_encoding(accept: bytes | None) -> bytes | None:
     return None
 
 
-def _json(value: Any) -> tuple[int, bytes, bytes, list]:
+def _json(value: Any) -> Response:
     return 200, orjson.dumps(value), _JSON, []
 
 
@@ -233,8 +256,12 @@ def _error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
-def _not_found() -> tuple[int, bytes, bytes, list]:
+def _not_found() -> Response:
     return 404, _error_body("Not Found"), _TEXT, []
+
+
+def _not_allowed(content_type: bytes = _JSON) -> Response:
+    return 405, _error_body("Method Not Allowed"), content_type, []
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

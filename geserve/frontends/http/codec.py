@@ -19,6 +19,10 @@ from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTen
 _NUMPY_JSON = orjson.OPT_SERIALIZE_NUMPY
 _ORJSON_NATIVE_KINDS = frozenset("biuf")
 _LENGTH = struct.Struct("<I")
+# numpy kinds of JSON values each tensor kind accepts: integers for integers, numbers for floats, bools for BOOL.
+_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "fiu", "V": "fiu"}
+_NOT_BOOLEAN = "Unable to parse '{}': attempt to access JSON non-boolean as boolean"
+_KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats", "U": "strings"}
 
 
 class RequestParseError(InvalidArgumentError):
@@ -44,9 +48,9 @@ def decode_infer_request(
         return _decode_raw(body, model_name, version, raw_model)
     if header_length is None:
         header_length = len(body)
-    elif header_length > len(body):
-        raise RequestParseError(
-            f"Inference-Header-Content-Length {header_length} is larger than the request body ({len(body)} bytes)"
+    elif not 0 < header_length <= len(body):
+        raise InvalidArgumentError(
+            f"inference header size should be in range (0, {len(body)}), got: {header_length}"
         )
     header = parse_json(memoryview(body)[:header_length])
     if not isinstance(header, dict):
@@ -54,7 +58,9 @@ def decode_infer_request(
     try:
         items = header["inputs"]
     except KeyError:
-        raise RequestParseError("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'") from None
+        raise RequestParseError(
+            "Unable to parse 'inputs': attempt to access non-existing object member 'inputs'"
+        ) from None
     if not isinstance(items, list):
         raise RequestParseError("Unable to parse 'inputs': expected an array")
     offset = header_length
@@ -70,13 +76,21 @@ def decode_infer_request(
     request = InferenceRequest(model_name, version, inputs)
     request_id = header.get("id")
     if request_id is not None:
-        request.id = str(request_id)
+        if not isinstance(request_id, str):
+            raise RequestParseError("Unable to parse 'id': attempt to access JSON non-string as string")
+        request.id = request_id
     parameters = header.get("parameters")
     if parameters:
         _apply_parameters(request, parameters)
     outputs = header.get("outputs")
-    if outputs is not None:
-        request.outputs = [_decode_output(o) for o in outputs]
+    if outputs:  # absent or empty: every output, as Triton
+        if not isinstance(outputs, list):
+            raise RequestParseError("Unable to parse 'outputs': expected an array")
+        wanted: dict[str, RequestedOutput] = {}
+        for item in outputs:
+            output = _decode_output(item)
+            wanted.setdefault(output.name, output)  # a name asked twice is returned once
+        request.outputs = list(wanted.values())
     return request
 
 
@@ -88,7 +102,9 @@ def _decode_input(item: Any, body: bytes, offset: int) -> tuple[InputTensor, int
         datatype_name = item["datatype"]
         shape = item["shape"]
     except KeyError as exc:
-        raise RequestParseError(f"Unable to parse input: missing member {exc}") from None
+        raise RequestParseError(
+            f"Unable to parse {exc}: attempt to access non-existing object member {exc}"
+        ) from None
     datatype = BY_WIRE.get(datatype_name)
     if datatype is None:
         raise InvalidArgumentError(f"invalid datatype for input {name}")
@@ -131,9 +147,21 @@ def _json_to_array(name: str, data: Any, wire: str, dtype: np.dtype, count: int)
             array = np.empty(len(flat), dtype=object)
             array[:] = [v.encode() if isinstance(v, str) else _not_string(name, v) for v in flat]
         else:
-            array = np.asarray(data, dtype=dtype).reshape(-1)
-            if wire != "BOOL" and array.size and isinstance(_first(data), bool):
-                raise ValueError("booleans given for a numeric input")
+            # numpy infers the JSON values' own type first: 1.5 for an INT32 input or "1" for an FP32 one is
+            # the client's mistake, never silently truncated or parsed.
+            array = np.asarray(data).reshape(-1)
+            if array.size:
+                kind = array.dtype.kind
+                if kind not in _JSON_KINDS[dtype.kind]:
+                    if not (dtype.kind in "iu" and all(type(v) is int for v in _flatten(data))):
+                        raise ValueError(f"got JSON {_KIND_NAMES.get(kind, 'values of mixed or unsupported types')}")
+                    # integers no single numpy dtype holds (0 and 2**64-1): convert, out-of-range ones raise
+                    array = np.asarray(data, dtype=dtype).reshape(-1)
+                elif dtype.kind in "iu" and (dtype.itemsize < 8 or dtype.kind != kind):
+                    info = np.iinfo(dtype)
+                    if array.min() < info.min or array.max() > info.max:
+                        raise ValueError(f"values out of range [{info.min}, {info.max}]")
+            array = array.astype(dtype, copy=False)
     except (ValueError, TypeError, OverflowError) as exc:
         raise RequestParseError(f"Unable to parse 'data' of input '{name}' as {wire}: {exc}") from None
     if array.size != count:
@@ -142,12 +170,6 @@ def _json_to_array(name: str, data: Any, wire: str, dtype: np.dtype, count: int)
             f"(input '{name}': {array.size} elements for a shape of {count})"
         )
     return array
-
-
-def _first(data: Any) -> Any:
-    while isinstance(data, list) and data:
-        data = data[0]
-    return data
 
 
 def _not_string(name: str, value: Any) -> bytes:
@@ -191,8 +213,7 @@ def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
     for key, value in parameters.items():
         if key.startswith("triton_"):
             raise InvalidArgumentError(
-                f"parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
-                f"specified: '{key}'"
+                "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
             )
         if key == "priority":
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -202,6 +223,8 @@ def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgumentError(f"'timeout' must be a non-negative integer (microseconds), got {value!r}")
             request.timeout_us = value
+        elif key == "binary_data_output" and not isinstance(value, bool):
+            raise RequestParseError(_NOT_BOOLEAN.format("binary_data_output"))
     request.parameters = parameters
 
 
@@ -212,44 +235,57 @@ def _decode_output(item: Any) -> RequestedOutput:
     classification = parameters.get("classification")
     if classification is not None and (not isinstance(classification, int) or isinstance(classification, bool)):
         raise InvalidArgumentError(f"'classification' of output '{item['name']}' must be an integer")
+    if not isinstance(parameters.get("binary_data", False), bool):
+        raise RequestParseError(_NOT_BOOLEAN.format("binary_data"))
     return RequestedOutput(item["name"], parameters)
 
 
 def _decode_raw(body: bytes, model_name: str, version: str, model: LoadedModel) -> InferenceRequest:
-    """Triton's raw binary request: no JSON header, the body is the model's single input."""
+    """Triton's raw binary request: no JSON header, the body is the model's single input.
+
+    The shape is deduced as Triton does: batch 1 for a batching model, the model's dims, and one
+    variable-size dim (if any) from the body's length; a BYTES input must have dims [1].
+    """
+    prefix = "[request id: <id_unknown>] "
     if len(model.inputs) != 1:
         raise InvalidArgumentError(
-            f"raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; "
-            f"'{model.name}' has {len(model.inputs)}"
+            f"{prefix}Raw request must only have 1 input (found 1) to be deduced but got {len(model.inputs)} "
+            f"inputs in '{model.name}' model configuration"
         )
     spec = next(iter(model.inputs.values()))
     datatype = BY_WIRE[spec.wire_type]
-    if datatype.wire == "BYTES":
-        raise InvalidArgumentError(f"raw binary request is not supported for BYTES input '{spec.name}'")
-    if len(body) % datatype.itemsize:
+    shape = [1, *spec.dims] if model.max_batch_size > 0 else list(spec.dims)
+    fixed = 1
+    for dim in spec.dims:
+        fixed *= 1 if dim == -1 else dim
+    variable = [k for k, d in enumerate(shape) if d == -1]
+    if len(variable) > 1:
         raise InvalidArgumentError(
-            f"raw binary request of {len(body)} bytes is not a whole number of {datatype.wire} elements"
+            f"{prefix}The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
+            f"variable-sized dimension"
         )
-    count = len(body) // datatype.itemsize
-    fixed = [d for d in spec.dims if d != -1]
-    per_row = int(np.prod(fixed)) if fixed else 1
-    variable = len(fixed) != len(spec.dims)
-    if model.max_batch_size > 0:
-        if variable or per_row == 0 or count % per_row:
+    if datatype.wire == "BYTES":
+        if variable or fixed != 1:
             raise InvalidArgumentError(
-                f"cannot deduce the shape of input '{spec.name}' (dims {list(spec.dims)}) from a raw body "
-                f"of {len(body)} bytes"
+                f"{prefix}For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
             )
-        shape: tuple[int, ...] = (count // per_row, *spec.dims)
+        data = np.empty(1, dtype=object)
+        data[0] = body
     else:
-        if sum(d == -1 for d in spec.dims) > 1 or (not variable and count != per_row) or count % per_row:
+        if variable:
+            shape[variable[0]] = len(body) // (fixed * datatype.itemsize) if fixed else 0
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count * datatype.itemsize != len(body):
             raise InvalidArgumentError(
-                f"cannot deduce the shape of input '{spec.name}' (dims {list(spec.dims)}) from a raw body "
-                f"of {len(body)} bytes"
+                f"{prefix}input byte size mismatch for input '{spec.name}' for model '{model.name}'. "
+                f"Expected {count * datatype.itemsize}, got {len(body)}"
             )
-        shape = tuple(count // per_row if d == -1 else d for d in spec.dims)
-    data = np.frombuffer(body, dtype=datatype.numpy, count=count).reshape(shape)
-    request = InferenceRequest(model_name, version, [InputTensor(spec.name, datatype.wire, shape, data)])
+        data = np.frombuffer(body, dtype=datatype.numpy, count=count)
+    shape_t = tuple(shape)
+    tensor = InputTensor(spec.name, datatype.wire, shape_t, data.reshape(shape_t))
+    request = InferenceRequest(model_name, version, [tensor])
     request.parameters = {"binary_data_output": True}
     return request
 
@@ -261,12 +297,14 @@ def encode_infer_response(
     response: InferenceResponse, request: InferenceRequest
 ) -> tuple[list[bytes | memoryview], int | None]:
     """The body parts and, when any output travels as binary, the JSON header's length."""
+    # Outputs the request names follow their own `binary_data` (default JSON) and ignore `binary_data_output`,
+    # which only applies when the request names no outputs: Triton's rule, which tritonclient relies on.
     binary_default = bool(request.parameters.get("binary_data_output", False))
-    wanted = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
+    wanted = {o.name: o.parameters.get("binary_data", False) for o in request.outputs} if request.outputs else {}
     outputs_json = []
     binaries: list[bytes | memoryview] = []
     for output in response.outputs:
-        binary = wanted.get(output.name, {}).get("binary_data", binary_default)
+        binary = wanted.get(output.name, binary_default)
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
         if output.parameters:
             entry["parameters"] = dict(output.parameters)

@@ -1,0 +1,926 @@
+"""Conformance: the same raw HTTP requests sent to geserve and to the real NVIDIA Triton server must agree.
+
+Both servers run once for the module on equivalent repositories: geserve serves the ONNX test models on its GE
+backend; Triton serves the same ONNX files through generated Python-backend models
+(`tests.support.reference.build_python_backend_repository`). Every case goes out byte for byte the same to both,
+over plain `http.client`, and the answers are compared: status code, content type, JSON shape (same keys, same
+types), values where they are deterministic, and output tensors decoded (binary or JSON) and compared with numpy.
+
+Read the tables as the spec. Deliberate differences are named where they are asserted:
+
+- a client's malformed request that Triton answers with 500 (unparsable JSON, a `data` count that does not match
+  the shape, JSON values of the wrong type, missing members) geserve answers with 400 (`*_triton_500_geserve_400`);
+- FP16 tensors in JSON, which Triton refuses, geserve serves (`test_fp16_json_is_a_geserve_extension`);
+- server name/version, `platform`/`backend`/`default_model_filename` (Triton runs these models as `python`),
+  nanosecond timings, and the two config fields newer than the `model_config.proto` geserve is built on;
+- the order of `outputs` in a response (Triton's follows its backend; clients look outputs up by name).
+
+All six models serve under Triton's Python backend; for `identity_bytes` the generated model stringifies BYTES
+values (`b'...'`), which `unmangle` undoes before comparing. Not sent: classification of a BYTES output, which
+crashes Triton 2.51.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import gzip
+import http.client
+import json
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+
+from tests.support import models
+from tests.support.reference import (
+    build_python_backend_repository,
+    free_port,
+    reference_available,
+    reference_unavailable_reason,
+    start_reference_triton,
+    stop_process,
+    wait_ready,
+)
+from tests.support.server import start_geserve, stop_geserve
+
+pytestmark = pytest.mark.reference
+
+MODELS = ("simple", "digits", "nobatch", "identity_fp16", "identity_bool", "identity_bytes")
+STATS_MODEL = "stats_probe"  # a second `simple` that only the statistics test sends traffic to
+JSON_CT = "application/json"
+TEXT_CT = "text/plain"
+INFERENCE_STATS_KEYS = {
+    "success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss"
+}
+# Fields of Triton 2.51's model_config.proto that the tritonclient 2.41 proto geserve prints /config from lacks.
+NEWER_CONFIG_FIELDS = {"runtime", "is_non_linear_format_io"}
+NUMPY = {
+    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+    "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+}
+
+
+# ------------------------------------------------------------------------------------------ the wire
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "")
+
+    def plain_body(self) -> bytes:
+        encoding = self.headers.get("content-encoding")
+        if encoding == "gzip":
+            return gzip.decompress(self.body)
+        if encoding == "deflate":
+            return zlib.decompress(self.body)
+        return self.body
+
+    def json(self) -> Any:
+        return json.loads(self.plain_body())
+
+    def error(self) -> str:
+        body = self.json()
+        assert set(body) == {"error"} and isinstance(body["error"], str), body
+        return body["error"]
+
+
+def send(base: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> Reply:
+    url = urlsplit(base)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+    finally:
+        connection.close()
+
+
+@dataclass(frozen=True)
+class Servers:
+    triton: str
+    geserve: str
+
+    def both(
+        self, method: str, path: str, body: bytes | dict | list | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[Reply, Reply]:
+        if isinstance(body, dict | list):
+            body = json.dumps(body).encode()
+        return send(self.triton, method, path, body, headers), send(self.geserve, method, path, body, headers)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    if not reference_available():
+        pytest.skip(reference_unavailable_reason() or "reference Triton unavailable")
+    root = tmp_path_factory.mktemp("conformance")
+    source = root / "onnx"
+    source.mkdir()
+    models.simple(source)
+    models.simple(source, STATS_MODEL)
+    models.nobatch(source)
+    models.digits(source)
+    for kind in ("fp16", "bool", "bytes"):
+        models.identity(source, kind)
+    python_repo = build_python_backend_repository(source, root / "python", [*MODELS, STATS_MODEL])
+    # Both boot at once: Triton in the background while geserve starts.
+    port = free_port()
+    triton = start_reference_triton(python_repo, port, free_port(), free_port(), root / "triton.log")
+    try:
+        server = start_geserve([source], root / "geserve.log")
+        try:
+            triton_url = f"http://127.0.0.1:{port}"
+            wait_ready(triton_url, process=triton, log_path=root / "triton.log")
+            wait_ready(server.base, process=server.process, log_path=root / "geserve.log")
+            yield Servers(triton_url, server.base)
+        finally:
+            stop_geserve(server)
+    finally:
+        stop_process(triton)
+
+
+# --------------------------------------------------------------------------------- request builders
+
+A = np.arange(16, dtype=np.int32)
+B = np.full(16, 3, dtype=np.int32)
+
+
+def simple_inputs(rows: int = 1, binary: bool = False) -> tuple[dict, bytes]:
+    a, b = np.tile(A, (rows, 1)), np.tile(B, (rows, 1))
+    tensors = []
+    for name, value in (("INPUT0", a), ("INPUT1", b)):
+        tensor: dict[str, Any] = {"name": name, "shape": list(value.shape), "datatype": "INT32"}
+        if binary:
+            tensor["parameters"] = {"binary_data_size": value.nbytes}
+        else:
+            tensor["data"] = value.reshape(-1).tolist()
+        tensors.append(tensor)
+    return {"inputs": tensors}, (a.tobytes() + b.tobytes() if binary else b"")
+
+
+def simple_json(**extra: Any) -> dict:
+    header, _ = simple_inputs()
+    return {**header, **extra}
+
+
+def binary_request(header: dict, payload: bytes) -> tuple[bytes, dict[str, str]]:
+    head = json.dumps(header).encode()
+    return head + payload, {"Inference-Header-Content-Length": str(len(head))}
+
+
+def length_prefixed(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(v)) + v for v in items)
+
+
+def digits_rows(count: int = 2) -> np.ndarray:
+    pixels, _ = models.digits_test_set()
+    return np.ascontiguousarray(pixels[:count], dtype=np.float32)
+
+
+def digits_json(count: int = 2, **extra: Any) -> dict:
+    rows = digits_rows(count)
+    return {"inputs": [{"name": "pixels", "shape": list(rows.shape), "datatype": "FP32",
+                        "data": rows.reshape(-1).tolist()}], **extra}
+
+
+NOBATCH_IN = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], dtype=np.float32)
+BYTES_ITEMS = [b"hello", b"", "\u00e9t\u00e9".encode()]
+
+
+# ----------------------------------------------------------------------------------- decoding replies
+
+
+def decode_outputs(reply: Reply) -> tuple[dict, dict[str, np.ndarray]]:
+    """The JSON header and every output as a numpy array, whether it came as JSON data or binary."""
+    body = reply.plain_body()
+    length = reply.headers.get("inference-header-content-length")
+    split = int(length) if length is not None else len(body)
+    header = json.loads(body[:split])
+    offset, arrays = split, {}
+    for output in header["outputs"]:
+        datatype, shape = output["datatype"], output["shape"]
+        size = output.get("parameters", {}).get("binary_data_size")
+        if size is not None:
+            raw = body[offset : offset + size]
+            offset += size
+            if datatype == "BYTES":
+                items, at = [], 0
+                while at < len(raw):
+                    (n,) = struct.unpack_from("<I", raw, at)
+                    items.append(raw[at + 4 : at + 4 + n])
+                    at += 4 + n
+                array = np.empty(len(items), dtype=object)
+                array[:] = items
+            else:
+                array = np.frombuffer(raw, dtype=NUMPY[datatype])
+        elif datatype == "BYTES":
+            array = np.empty(len(output["data"]), dtype=object)
+            array[:] = [v.encode() for v in output["data"]]
+        else:
+            array = np.asarray(output["data"], dtype=NUMPY[datatype])
+        arrays[output["name"]] = array.reshape(shape)
+    assert offset == len(body), "binary data left over after the last output"
+    return header, arrays
+
+
+def unmangle(value: bytes) -> bytes:
+    """The reference Python-backend model hands ORT `bytes` objects, which ORT stringifies (`b'...'`); undo that.
+
+    A no-op for values that do not look like a bytes literal, so the comparison keeps working once the
+    reference model decodes its inputs to text.
+    """
+    if len(value) >= 3 and value[:2] in (b"b'", b'b"') and value[-1:] == value[1:2]:
+        return ast.literal_eval(value.decode())
+    return value
+
+
+def strip_values(value: Any) -> Any:
+    """The JSON's shape: keys and value types, without values (list lengths kept)."""
+    if isinstance(value, dict):
+        return {k: strip_values(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strip_values(v) for v in value]
+    return type(value).__name__
+
+
+def assert_same_error(triton: Reply, geserve: Reply, status: int, message: str | None = None) -> None:
+    """Both refuse with `status`, the same content type and `{"error": str}`; `message`: Triton's text, verbatim."""
+    assert (triton.status, geserve.status) == (status, status), (triton.body, geserve.body)
+    assert geserve.content_type == triton.content_type
+    triton_error, geserve_error = triton.error(), geserve.error()
+    if message is not None:
+        assert triton_error == message, "the reference changed: update the expected text"
+        assert geserve_error == triton_error
+
+
+def assert_same_outputs(triton: Reply, geserve: Reply, expected: dict[str, np.ndarray] | None = None) -> dict:
+    """Same status, framing and JSON shape; the same tensors (floats to 1e-6); geserve's equal to `expected`."""
+    assert (triton.status, geserve.status) == (200, 200), (triton.body[:300], geserve.body[:300])
+    assert geserve.content_type == triton.content_type
+    assert geserve.headers.get("content-encoding") == triton.headers.get("content-encoding")
+    framed = "inference-header-content-length"
+    assert (framed in geserve.headers) == (framed in triton.headers)
+    t_header, t_arrays = decode_outputs(triton)
+    g_header, g_arrays = decode_outputs(geserve)
+    assert list(g_header) == list(t_header)
+    for key in ("id", "model_name", "model_version"):
+        assert g_header.get(key) == t_header.get(key)
+    # The order of `outputs` is each server's own (Triton's follows its backend); clients look outputs up by name.
+    t_outputs = {o["name"]: o for o in t_header["outputs"]}
+    g_outputs = {o["name"]: o for o in g_header["outputs"]}
+    assert sorted(g_outputs) == sorted(t_outputs) and len(g_outputs) == len(g_header["outputs"])
+    for name, t_out in t_outputs.items():
+        g_out, t_value, g_value = g_outputs[name], t_arrays[name], g_arrays[name]
+        assert set(g_out) == set(t_out)
+        assert (g_out["datatype"], g_out["shape"]) == (t_out["datatype"], t_out["shape"])
+        if t_out["datatype"] == "BYTES":
+            plain = np.vectorize(unmangle, otypes=[object])(t_value) if t_value.size else t_value
+            assert g_value.tolist() == plain.tolist(), name
+            if plain.tolist() != t_value.tolist():  # stringified by the reference model: sizes differ
+                assert set(g_out.get("parameters", {})) == set(t_out.get("parameters", {}))
+                continue
+        assert g_out.get("parameters") == t_out.get("parameters")
+        if g_value.dtype.kind == "f":
+            np.testing.assert_allclose(g_value, t_value, rtol=1e-6, atol=1e-7, err_msg=name)
+        else:
+            np.testing.assert_array_equal(g_value, t_value, err_msg=name)
+    for name, value in (expected or {}).items():
+        if value.dtype == object:
+            assert g_arrays[name].tolist() == value.tolist(), name
+        else:
+            np.testing.assert_array_equal(g_arrays[name], value, err_msg=name)
+    return g_header
+
+
+# ----------------------------------------------------------------------------- health and metadata
+
+
+def test_health_live_and_ready(servers: Servers) -> None:
+    for path in ("/v2/health/live", "/v2/health/ready"):
+        triton, geserve = servers.both("GET", path)
+        assert (triton.status, triton.content_type, triton.body) == (200, TEXT_CT, b"")
+        assert (geserve.status, geserve.content_type, geserve.body) == (200, TEXT_CT, b"")
+
+
+def test_server_metadata_has_tritons_keys_and_a_subset_of_its_extensions(servers: Servers) -> None:
+    """Name and version are the server's own; every extension geserve claims is one Triton has too."""
+    triton, geserve = servers.both("GET", "/v2")
+    assert (triton.status, geserve.status) == (200, 200)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    assert strip_values({**geserve.json(), "extensions": []}) == strip_values({**triton.json(), "extensions": []})
+    assert all(isinstance(e, str) for e in geserve.json()["extensions"])
+    assert set(geserve.json()["extensions"]) <= set(triton.json()["extensions"])
+
+
+@pytest.mark.parametrize("path_tail", ["", "/versions/1"], ids=["latest", "version-1"])
+@pytest.mark.parametrize("model", MODELS)
+def test_model_metadata(servers: Servers, model: str, path_tail: str) -> None:
+    """Identical but for `platform`: Triton names the backend it runs these models on (`python`)."""
+    triton, geserve = servers.both("GET", f"/v2/models/{model}{path_tail}")
+    assert (triton.status, geserve.status) == (200, 200)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    t_meta, g_meta = triton.json(), geserve.json()
+    assert t_meta["platform"] == "python" and isinstance(g_meta["platform"], str) and g_meta["platform"]
+    assert list(g_meta) == list(t_meta)
+    assert {**g_meta, "platform": ""} == {**t_meta, "platform": ""}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_ready(servers: Servers, model: str) -> None:
+    for path in (f"/v2/models/{model}/ready", f"/v2/models/{model}/versions/1/ready"):
+        triton, geserve = servers.both("GET", path)
+        assert (triton.status, triton.content_type, triton.body) == (200, TEXT_CT, b"")
+        assert (geserve.status, geserve.content_type, geserve.body) == (200, TEXT_CT, b"")
+
+
+def _config_keys(value: Any, path: str = "") -> set[str]:
+    keys: set[str] = set()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in NEWER_CONFIG_FIELDS:
+                continue
+            keys.add(f"{path}/{key}")
+            if path.endswith(("/parameters", "/cc_model_filenames", "/metric_tags")):
+                continue  # map values: their keys are data, not schema
+            keys |= _config_keys(item, f"{path}/{key}")
+    elif isinstance(value, list):
+        for item in value:
+            keys |= _config_keys(item, f"{path}[]")
+    return keys
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_config(servers: Servers, model: str) -> None:
+    """Every field Triton prints (defaults included) with the same main values.
+
+    `platform`, `backend` and `default_model_filename` legitimately differ (Triton runs these models as
+    Python-backend models); `runtime` and `is_non_linear_format_io` are newer than geserve's model_config.proto.
+    """
+    triton, geserve = servers.both("GET", f"/v2/models/{model}/config")
+    assert (triton.status, geserve.status) == (200, 200)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    t_cfg, g_cfg = triton.json(), geserve.json()
+    assert _config_keys(g_cfg) == _config_keys(t_cfg)
+    assert t_cfg["backend"] == "python" and (g_cfg["platform"] or g_cfg["backend"])
+    for key in ("name", "max_batch_size", "version_policy", "batch_input", "batch_output", "optimization",
+                "parameters", "model_warmup", "metric_tags"):
+        assert g_cfg[key] == t_cfg[key], key
+
+    def io(entries: list[dict]) -> list[dict]:
+        return [{k: v for k, v in e.items() if k not in NEWER_CONFIG_FIELDS} for e in entries]
+
+    assert io(g_cfg["input"]) == io(t_cfg["input"])
+    assert io(g_cfg["output"]) == io(t_cfg["output"])
+    groups = [(g["kind"], g["count"], g["gpus"]) for g in g_cfg["instance_group"]]
+    assert groups == [(g["kind"], g["count"], g["gpus"]) for g in t_cfg["instance_group"]]
+
+
+# ------------------------------------------------------------------- errors outside inference, routes
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request both servers refuse the same way: status, content type, and (when set) Triton's exact text."""
+
+    id: str
+    method: str
+    path: str
+    status: int
+    message: str | None = None
+    body: bytes | dict | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+NOT_FOUND = "Not Found"
+NOT_ALLOWED = "Method Not Allowed"
+NONE_MODE = "explicit model load / unload is not allowed if polling is enabled"
+
+REFUSALS = [
+    Refusal("metadata-unknown-model", "GET", "/v2/models/nope", 404, "Request for unknown model: 'nope' is not found"),
+    Refusal("metadata-unknown-version", "GET", "/v2/models/simple/versions/7", 404,
+            "Request for unknown model: 'simple' version 7 is not found"),
+    Refusal("metadata-unknown-model-version", "GET", "/v2/models/nope/versions/7", 404,
+            "Request for unknown model: 'nope' is not found"),
+    Refusal("config-unknown-model", "GET", "/v2/models/nope/config", 404,
+            "Request for unknown model: 'nope' is not found"),
+    Refusal("config-unknown-version", "GET", "/v2/models/simple/versions/7/config", 404,
+            "Request for unknown model: 'simple' version 7 is not found"),
+    Refusal("ready-unknown-model", "GET", "/v2/models/nope/ready", 400, "Model version not ready"),
+    Refusal("ready-unknown-version", "GET", "/v2/models/simple/versions/7/ready", 400, "Model version not ready"),
+    Refusal("stats-unknown-model", "GET", "/v2/models/nope/stats", 400, "requested model 'nope' is not available"),
+    Refusal("stats-unknown-version", "GET", "/v2/models/simple/versions/7/stats", 400,
+            "requested model version is not available for model 'simple'"),
+    Refusal("load-none-mode", "POST", "/v2/repository/models/simple/load", 503, NONE_MODE, {}),
+    Refusal("load-unknown-none-mode", "POST", "/v2/repository/models/nope/load", 503, NONE_MODE, {}),
+    Refusal("unload-none-mode", "POST", "/v2/repository/models/simple/unload", 503, NONE_MODE, {}),
+    Refusal("route-unknown", "GET", "/v2/nonexistent", 404, NOT_FOUND),
+    Refusal("route-outside-v2", "GET", "/nothing", 404, NOT_FOUND),
+    Refusal("route-v2-slash", "GET", "/v2/", 404, NOT_FOUND),
+    Refusal("route-models", "GET", "/v2/models", 404, NOT_FOUND),
+    Refusal("route-health", "GET", "/v2/health", 404, NOT_FOUND),
+    Refusal("route-model-action", "GET", "/v2/models/simple/foo", 404, NOT_FOUND),
+    Refusal("route-version-action", "GET", "/v2/models/simple/versions/1/foo", 404, NOT_FOUND),
+    Refusal("route-versions", "GET", "/v2/models/simple/versions", 404, NOT_FOUND),
+    Refusal("route-version-not-number", "GET", "/v2/models/simple/versions/abc", 404, NOT_FOUND),
+    Refusal("route-infer-version-not-number", "POST", "/v2/models/simple/versions/abc/infer", 404, NOT_FOUND,
+            simple_json()),
+    Refusal("route-stats-extra", "GET", "/v2/models/stats/extra", 404, NOT_FOUND),
+    Refusal("route-repository-action", "POST", "/v2/repository/models/simple/foo", 404, NOT_FOUND, {}),
+    Refusal("method-health", "POST", "/v2/health/live", 405, NOT_ALLOWED),
+    Refusal("method-server-metadata", "POST", "/v2", 405, NOT_ALLOWED),
+    Refusal("method-model-metadata", "DELETE", "/v2/models/simple", 405, NOT_ALLOWED),
+    Refusal("method-infer-get", "GET", "/v2/models/simple/infer", 405, NOT_ALLOWED),
+    Refusal("method-infer-put", "PUT", "/v2/models/simple/infer", 405, NOT_ALLOWED, {}),
+    Refusal("method-all-stats", "POST", "/v2/models/stats", 405, NOT_ALLOWED),
+    Refusal("method-repository-index", "GET", "/v2/repository/index", 405, NOT_ALLOWED),
+]
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
+def test_refusal(servers: Servers, case: Refusal) -> None:
+    triton, geserve = servers.both(case.method, case.path, case.body, case.headers)
+    assert_same_error(triton, geserve, case.status, case.message)
+
+
+@pytest.mark.parametrize("body", [b"{}", b'{"ready": false}', b'{"ready": true}', b""], ids=["empty", "all", "ready",
+                                                                                         "no-body"])
+def test_repository_index(servers: Servers, body: bytes) -> None:
+    triton, geserve = servers.both("POST", "/v2/repository/index", body)
+    assert (triton.status, geserve.status) == (200, 200)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    assert geserve.json() == triton.json()
+    assert {e["name"] for e in geserve.json()} == {*MODELS, STATS_MODEL}
+
+
+@pytest.mark.parametrize(
+    "body", [b"{bad", b'{"ready": "yes"}'], ids=["malformed-json", "ready-not-boolean"]
+)
+def test_repository_index_bad_body_triton_500_geserve_400(servers: Servers, body: bytes) -> None:
+    """A client's malformed index request: Triton answers 500, geserve 400."""
+    triton, geserve = servers.both("POST", "/v2/repository/index", body)
+    assert (triton.status, geserve.status) == (500, 400)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    triton.error(), geserve.error()
+
+
+# ------------------------------------------------------------------------------ inference that works
+
+
+# A request body, or a function that makes it once the servers run (the digits data is built with them).
+Body = bytes | dict | Callable[[], bytes | dict]
+
+
+def _body(body: Body) -> bytes | dict:
+    return body() if callable(body) else body
+
+
+@dataclass(frozen=True)
+class Infer:
+    """One inference request; `expected`: what geserve must return, computed here (Triton must agree)."""
+
+    id: str
+    model: str
+    body: Body
+    headers: dict[str, str] = field(default_factory=dict)
+    expected: dict[str, np.ndarray] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def url(self) -> str:
+        return self.path or f"/v2/models/{self.model}/infer"
+
+
+def _binary(model: str, header: dict, payload: bytes, expected: dict | None = None, id: str = "") -> Infer:
+    body, headers = binary_request(header, payload)
+    return Infer(id, model, body, headers, expected or {})
+
+
+def _digits_binary(rows: int, id: str) -> Infer:
+    header = {"inputs": [{"name": "pixels", "shape": [rows, 64], "datatype": "FP32",
+                          "parameters": {"binary_data_size": rows * 64 * 4}}],
+              "parameters": {"binary_data_output": True}}
+    head, headers = binary_request(header, b"")
+    return Infer(id, "digits", lambda: head + digits_rows(rows).tobytes(), headers)
+
+
+_SUM, _DIFF = A + B, A - B
+_BOTH = {"OUTPUT0": _SUM[None], "OUTPUT1": _DIFF[None]}
+_BIN_IN = simple_inputs(binary=True)
+_GZ = json.dumps(simple_json()).encode()
+_BYTES_RAW = length_prefixed(BYTES_ITEMS)
+_BYTES_ARRAY = np.array([BYTES_ITEMS], dtype=object)
+_BOOL = np.array([[True, False, True], [False, False, True]])
+_FP16 = np.array([[1.5, -2.25, 65504.0, 0.1]], dtype=np.float16)
+_BYTES_HEAD = {
+    "name": "INPUT0", "shape": [1, 3], "datatype": "BYTES", "parameters": {"binary_data_size": len(_BYTES_RAW)}
+}
+_NOBATCH_JSON = {
+    "inputs": [{"name": "INPUT0", "shape": [2, 3], "datatype": "FP32", "data": NOBATCH_IN.reshape(-1).tolist()}]
+}
+
+
+def _inputs(*tensors: dict, **extra: Any) -> dict:
+    return {"inputs": list(tensors), **extra}
+
+
+def _with_outputs(*outputs: dict, **extra: Any) -> dict:
+    return simple_json(outputs=list(outputs), **extra)
+
+
+INFERS = [
+    Infer("json-all-outputs", "simple", simple_json(), expected=_BOTH),
+    Infer("json-request-id-echo", "simple", simple_json(id="req-42"), expected=_BOTH),
+    Infer("json-one-output", "simple", _with_outputs({"name": "OUTPUT1"}), expected={"OUTPUT1": _DIFF[None]}),
+    Infer("json-explicit-version", "simple", simple_json(), expected=_BOTH, path="/v2/models/simple/versions/1/infer"),
+    Infer("json-batch-of-3", "simple", simple_inputs(rows=3)[0],
+          expected={"OUTPUT0": np.tile(_SUM, (3, 1)), "OUTPUT1": np.tile(_DIFF, (3, 1))}),
+    Infer("json-nested-data", "simple",
+          {"inputs": [{**simple_json()["inputs"][0], "data": [A.tolist()]}, simple_json()["inputs"][1]]},
+          expected=_BOTH),
+    Infer("json-empty-outputs-means-all", "simple", _with_outputs(), expected=_BOTH),
+    Infer("json-output-asked-twice-returned-once", "simple", _with_outputs({"name": "OUTPUT0"}, {"name": "OUTPUT0"}),
+          expected={"OUTPUT0": _SUM[None]}),
+    Infer("json-unknown-parameters-pass", "simple",
+          simple_json(parameters={"custom": "x", "priority": 0, "timeout": 1_000_000}), expected=_BOTH),
+    Infer("json-input-and-output-parameters-pass", "simple",
+          {"inputs": [{**simple_json()["inputs"][0], "parameters": {"foo": 1}}, simple_json()["inputs"][1]],
+           "outputs": [{"name": "OUTPUT0", "parameters": {"bar": "x"}}]}, expected={"OUTPUT0": _SUM[None]}),
+    _binary("simple", *_BIN_IN, expected=_BOTH, id="binary-inputs-json-outputs"),
+    Infer("binary-data-output-all", "simple", simple_json(parameters={"binary_data_output": True}), expected=_BOTH),
+    Infer("binary-per-output-mixed", "simple",
+          _with_outputs({"name": "OUTPUT0", "parameters": {"binary_data": True}},
+                        {"name": "OUTPUT1", "parameters": {"binary_data": False}}), expected=_BOTH),
+    Infer("binary-data-output-ignored-for-listed-outputs", "simple",
+          _with_outputs({"name": "OUTPUT0", "parameters": {"binary_data": True}}, {"name": "OUTPUT1"},
+                        parameters={"binary_data_output": True}), expected=_BOTH),
+    Infer("binary-output-listed-false", "simple",
+          _with_outputs({"name": "OUTPUT0", "parameters": {"binary_data": False}},
+                        parameters={"binary_data_output": True}), expected={"OUTPUT0": _SUM[None]}),
+    _binary("simple", {**_BIN_IN[0], "parameters": {"binary_data_output": True}}, _BIN_IN[1], expected=_BOTH,
+            id="binary-in-binary-out"),
+    Infer("gzip-request", "simple", gzip.compress(_GZ), {"Content-Encoding": "gzip"}, expected=_BOTH),
+    Infer("deflate-request", "simple", zlib.compress(_GZ), {"Content-Encoding": "deflate"}, expected=_BOTH),
+    Infer("identity-content-encoding", "simple", _GZ, {"Content-Encoding": "identity"}, expected=_BOTH),
+    Infer("gzip-response", "simple", _GZ, {"Accept-Encoding": "gzip"}, expected=_BOTH),
+    Infer("deflate-response", "simple", _GZ, {"Accept-Encoding": "deflate"}, expected=_BOTH),
+    Infer("gzip-preferred-response", "simple", _GZ, {"Accept-Encoding": "gzip, deflate"}, expected=_BOTH),
+    Infer("unsupported-accept-encoding-plain", "simple", _GZ, {"Accept-Encoding": "br"}, expected=_BOTH),
+    Infer("gzip-both-ways-binary", "simple", gzip.compress(json.dumps(simple_json(
+        parameters={"binary_data_output": True})).encode()), {"Content-Encoding": "gzip", "Accept-Encoding": "gzip"},
+        expected=_BOTH),
+    Infer("digits-json", "digits", digits_json),
+    _digits_binary(3, "digits-binary"),
+    Infer("classification-with-labels", "digits", functools.partial(
+        digits_json, outputs=[{"name": "probabilities", "parameters": {"classification": 3}}])),
+    Infer("classification-with-labels-binary", "digits", functools.partial(
+        digits_json, outputs=[{"name": "probabilities", "parameters": {"classification": 2, "binary_data": True}}])),
+    Infer("classification-k-clamped-to-classes", "digits", functools.partial(
+        digits_json, 1, outputs=[{"name": "probabilities", "parameters": {"classification": 30}}])),
+    Infer("classification-int64-without-labels", "digits", functools.partial(
+        digits_json, outputs=[{"name": "label", "parameters": {"classification": 1}}, {"name": "probabilities"}])),
+    Infer("classification-int-without-labels", "simple",
+          _with_outputs({"name": "OUTPUT0", "parameters": {"classification": 2}}),
+          expected={"OUTPUT0": np.array([[b"18:15", b"17:14"]], dtype=object)}),
+    Infer("classification-without-batching", "nobatch",
+          {**_NOBATCH_JSON, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 2}}]},
+          expected={"OUTPUT0": np.array([b"6.000000:5", b"4.000000:3"], dtype=object)}),
+    Infer("classification-zero-is-off", "simple",
+          _with_outputs({"name": "OUTPUT0", "parameters": {"classification": 0}}),
+          expected={"OUTPUT0": _SUM[None]}),
+    Infer("nobatch-json", "nobatch", _NOBATCH_JSON, expected={"OUTPUT0": np.maximum(NOBATCH_IN, 0)}),
+    Infer("raw-body-single-input", "nobatch", NOBATCH_IN.tobytes(), {"Inference-Header-Content-Length": "0"},
+          expected={"OUTPUT0": np.maximum(NOBATCH_IN, 0)}),
+    Infer("raw-body-batch-1-deduced", "digits", lambda: digits_rows(1).tobytes(),
+          {"Inference-Header-Content-Length": "0"}),
+    Infer("raw-body-variable-dim-deduced", "identity_fp16", _FP16.tobytes(), {"Inference-Header-Content-Length": "0"},
+          expected={"OUTPUT0": _FP16}),
+    Infer("raw-body-bool", "identity_bool", _BOOL[:1].tobytes(), {"Inference-Header-Content-Length": "0"},
+          expected={"OUTPUT0": _BOOL[:1]}),
+    Infer("bytes-json", "identity_bytes",
+          _inputs({"name": "INPUT0", "shape": [1, 3], "datatype": "BYTES", "data": [v.decode() for v in BYTES_ITEMS]}),
+          expected={"OUTPUT0": _BYTES_ARRAY}),
+    _binary("identity_bytes",
+            {"inputs": [_BYTES_HEAD], "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]},
+            _BYTES_RAW, expected={"OUTPUT0": _BYTES_ARRAY}, id="bytes-length-prefixed-both-ways"),
+    _binary("identity_bytes", {"inputs": [_BYTES_HEAD]}, _BYTES_RAW, expected={"OUTPUT0": _BYTES_ARRAY},
+            id="bytes-length-prefixed-in-json-out"),
+    Infer("bool-json", "identity_bool",
+          {"inputs": [{"name": "INPUT0", "shape": [2, 3], "datatype": "BOOL", "data": _BOOL.reshape(-1).tolist()}]},
+          expected={"OUTPUT0": _BOOL}),
+    _binary("identity_bool", {"inputs": [{"name": "INPUT0", "shape": [2, 3], "datatype": "BOOL",
+                                          "parameters": {"binary_data_size": 6}}],
+                              "parameters": {"binary_data_output": True}},
+            _BOOL.tobytes(), expected={"OUTPUT0": _BOOL}, id="bool-binary"),
+    _binary("identity_fp16", {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP16",
+                                          "parameters": {"binary_data_size": 8}}],
+                              "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]},
+            _FP16.tobytes(), expected={"OUTPUT0": _FP16}, id="fp16-binary"),
+]
+
+
+@pytest.mark.parametrize("case", INFERS, ids=[c.id for c in INFERS])
+def test_inference(servers: Servers, case: Infer) -> None:
+    body = _body(case.body)
+    triton, geserve = servers.both("POST", case.url, body, case.headers)
+    header = assert_same_outputs(triton, geserve, case.expected)
+    assert header.get("id") == (body.get("id") if isinstance(body, dict) else None)
+
+
+def test_digits_outputs_are_the_classifier_answers(servers: Servers) -> None:
+    """The real model end to end: labels equal the argmax of probabilities, and match Triton's."""
+    triton, geserve = servers.both("POST", "/v2/models/digits/infer", digits_json(8))
+    assert_same_outputs(triton, geserve)
+    _, arrays = decode_outputs(geserve)
+    assert arrays["label"].reshape(-1).tolist() == arrays["probabilities"].argmax(axis=1).tolist()
+    _, labels = models.digits_test_set()
+    assert (arrays["label"].reshape(-1) == labels[:8]).mean() >= 0.75
+
+
+def test_fp16_json_is_a_geserve_extension(servers: Servers) -> None:
+    """Triton refuses FP16 in JSON both ways (400); geserve serves it. Deliberate: no Triton client relies on the
+    refusal, and tritonclient's `binary_data=False` works against geserve for every datatype."""
+    data = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP16", "data": _FP16.reshape(-1).tolist()}]}
+    triton, geserve = servers.both("POST", "/v2/models/identity_fp16/infer", data)
+    assert triton.status == 400 and "FP16 data via JSON is not supported" in triton.error()
+    assert geserve.status == 200
+    np.testing.assert_array_equal(decode_outputs(geserve)[1]["OUTPUT0"], _FP16)
+
+
+# -------------------------------------------------------------------------------- inference refused
+
+
+@dataclass(frozen=True)
+class Bad:
+    """An inference request both refuse. `triton_status`: where Triton differs (500 for a client's mistake)."""
+
+    id: str
+    model: str
+    body: Body
+    status: int = 400
+    message: str | None = None  # Triton's text, which geserve repeats verbatim
+    triton_status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+    same_prefix: str | None = None  # both messages start with this
+
+    @property
+    def url(self) -> str:
+        return self.path or f"/v2/models/{self.model}/infer"
+
+
+def _rid(text: str, request_id: str = "<id_unknown>") -> str:
+    return f"[request id: {request_id}] {text}"
+
+
+_NOTE = (" NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be prepended to"
+         " each input shape. If you want to specify the full shape including the batch dim in your input dims config,"
+         " try setting max_batch_size to zero. See the model configuration docs for more info on max_batch_size.")
+_IN0, _IN1 = simple_json()["inputs"]
+
+
+def _bin_simple(size0: int, payload: bytes, id: str) -> Bad:
+    """INPUT0 as `size0` bytes of binary data (`payload`), INPUT1 as JSON."""
+    binary = {k: v for k, v in _IN0.items() if k != "data"}
+    head = json.dumps({"inputs": [{**binary, "parameters": {"binary_data_size": size0}}, _IN1]}).encode()
+    return Bad(id, "simple", head + payload, headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def _bytes_bin(shape: list[int], id: str) -> Bad:
+    head = json.dumps({"inputs": [{**_BYTES_HEAD, "shape": shape}]}).encode()
+    return Bad(id, "identity_bytes", head + _BYTES_RAW, headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+_BAD_INT32 = "Unable to parse 'data': attempt to access JSON non-signed-integer as signed-integer"
+
+BADS = [
+    Bad("unknown-model", "nope", simple_json(), 404, "Request for unknown model: 'nope' is not found"),
+    Bad("unknown-version", "simple", simple_json(), 404, "Request for unknown model: 'simple' version 7 is not found",
+        path="/v2/models/simple/versions/7/infer"),
+    Bad("unknown-model-malformed-body", "nope", b"{bad", 404, "Request for unknown model: 'nope' is not found"),
+    Bad("wrong-shape", "simple", _inputs({**_IN0, "shape": [1, 15], "data": A[:15].tolist()}, _IN1), 400,
+        _rid("unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1,16], got [1,15]." + _NOTE)),
+    Bad("wrong-shape-request-id", "simple", _inputs({**_IN0, "shape": [1, 15], "data": A[:15].tolist()}, _IN1,
+                                                     id="my-id"), 400,
+        _rid("unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1,16], got [1,15]." + _NOTE,
+             "my-id")),
+    Bad("wrong-shape-no-batching", "nobatch",
+        _inputs({"name": "INPUT0", "shape": [3, 2], "datatype": "FP32", "data": [1, 2, 3, 4, 5, 6]}), 400,
+        # sic: with no NOTE to add, Triton's text still ends with a space
+        _rid("unexpected shape for input 'INPUT0' for model 'nobatch'. Expected [2,3], got [3,2]. ")),
+    Bad("batch-dim-missing-checked-as-batch-first", "simple",
+        _inputs({**_IN0, "shape": [16]}, {**_IN1, "shape": [16]}), 400,
+        _rid("inference request batch-size must be <= 8 for 'simple'")),
+    Bad("batch-too-large", "simple", simple_inputs(rows=9)[0], 400,
+        _rid("inference request batch-size must be <= 8 for 'simple'")),
+    Bad("batch-sizes-disagree", "simple",
+        _inputs(_IN0, {**_IN1, "shape": [2, 16], "data": B.tolist() * 2}), 400,
+        same_prefix="[request id: <id_unknown>] input 'INPUT"),
+    Bad("wrong-datatype", "simple", _inputs({**_IN0, "datatype": "INT64"}, _IN1), 400,
+        _rid("inference input 'INPUT0' data-type is 'INT64', but model 'simple' expects 'INT32'")),
+    Bad("unknown-datatype", "simple", _inputs({**_IN0, "datatype": "INT33"}, _IN1), 400,
+        "invalid datatype for input INPUT0"),
+    Bad("missing-input", "simple", _inputs(_IN0), 400,
+        _rid("expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], but missing required "
+             "input(s) ['INPUT1']. Please provide all required input(s).")),
+    Bad("no-inputs", "simple", _inputs(), 400,
+        _rid("expected 2 inputs but got 0 inputs for model 'simple'. Got input(s) [], but missing required "
+             "input(s) ['INPUT0','INPUT1']. Please provide all required input(s).")),
+    Bad("unknown-input", "simple", _inputs(_IN0, {**_IN1, "name": "NOPE"}), 400,
+        "unexpected inference input 'NOPE' for model 'simple'"),
+    Bad("extra-input", "simple", _inputs(_IN0, _IN1, {**_IN1, "name": "NOPE"}), 400),
+    Bad("input-given-twice", "simple", _inputs(_IN0, _IN1, _IN0), 400,
+        _rid("input 'INPUT0' already exists in request")),
+    Bad("unknown-output", "simple", _with_outputs({"name": "NOPE"}), 400,
+        "unexpected inference output 'NOPE' for model 'simple'"),
+    Bad("triton-prefixed-parameter", "simple", simple_json(parameters={"triton_foo": 1}), 400,
+        "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."),
+    Bad("input-without-data", "simple", _inputs({k: v for k, v in _IN0.items() if k != "data"}, _IN1), 400),
+    _bin_simple(64, A.tobytes()[:-4], id="binary-data-short"),
+    _bin_simple(64, A.tobytes() + b"xxxx", id="binary-data-unclaimed"),
+    _bin_simple(60, A.tobytes()[:60], id="binary-data-size-not-shape"),
+    _bytes_bin([1, 4], "bytes-fewer-elements-than-shape"),
+    _bytes_bin([1, 2], "bytes-more-elements-than-shape"),
+    Bad("header-length-past-body", "simple", _BIN_IN[0], 400,
+        headers={"Inference-Header-Content-Length": "100000"}, same_prefix="inference header size should be in range"),
+    Bad("raw-body-model-has-two-inputs", "simple", A.tobytes(), 400,
+        _rid("Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'simple' model "
+             "configuration"), headers={"Inference-Header-Content-Length": "0"}),
+    Bad("raw-body-short", "nobatch", NOBATCH_IN.tobytes()[:-4], 400, headers={"Inference-Header-Content-Length": "0"},
+        same_prefix="[request id: <id_unknown>] input byte size mismatch for input '"),
+    Bad("raw-body-two-rows-is-not-batch-1", "digits", lambda: digits_rows(2).tobytes(), 400,
+        headers={"Inference-Header-Content-Length": "0"},
+        same_prefix="[request id: <id_unknown>] input byte size mismatch for input '"),
+    Bad("raw-body-bytes-needs-shape-1", "identity_bytes", b"hello", 400,
+        _rid("For BYTE datatype raw input 'INPUT0', the model must have input shape [1]"),
+        headers={"Inference-Header-Content-Length": "0"}),
+    Bad("unsupported-content-encoding", "simple", _GZ, 501, "Unsupported compression type",
+        headers={"Content-Encoding": "br"}),
+    Bad("corrupt-gzip-body", "simple", b"not gzip at all", 400, headers={"Content-Encoding": "gzip"}),
+    # A client's malformed request: Triton answers 500, geserve 400.
+    Bad("malformed-json-triton-500-geserve-400", "simple", b'{"inputs": [ {"name": ', triton_status=500,
+        same_prefix="failed to parse the request JSON buffer: "),
+    Bad("missing-inputs-member-triton-500-geserve-400", "simple", {}, triton_status=500,
+        message="Unable to parse 'inputs': attempt to access non-existing object member 'inputs'"),
+    Bad("data-count-short-triton-500-geserve-400", "simple", _inputs(_IN0, {**_IN1, "data": B[:15].tolist()}),
+        triton_status=500, same_prefix="Unable to parse 'data': Shape does not match true shape of 'data' field"),
+    Bad("data-count-long-triton-500-geserve-400", "simple", _inputs(_IN0, {**_IN1, "data": [*B.tolist(), 1]}),
+        triton_status=500, same_prefix="Unable to parse 'data': Shape does not match true shape of 'data' field"),
+    Bad("floats-for-int32-triton-500-geserve-400", "simple", _inputs({**_IN0, "data": [1.5] * 16}, _IN1),
+        triton_status=500, same_prefix="Unable to parse 'data'"),
+    Bad("strings-for-int32-triton-500-geserve-400", "simple", _inputs({**_IN0, "data": ["1"] * 16}, _IN1),
+        triton_status=500, same_prefix="Unable to parse 'data'"),
+    Bad("booleans-for-int32-triton-500-geserve-400", "simple", _inputs({**_IN0, "data": [True] * 16}, _IN1),
+        triton_status=500, same_prefix="Unable to parse 'data'"),
+    Bad("integers-for-bool-triton-500-geserve-400", "identity_bool",
+        _inputs({"name": "INPUT0", "shape": [1, 2], "datatype": "BOOL", "data": [1, 0]}),
+        triton_status=500, same_prefix="Unable to parse 'data'"),
+    Bad("number-for-bytes-triton-500-geserve-400", "identity_bytes",
+        _inputs({"name": "INPUT0", "shape": [1, 2], "datatype": "BYTES", "data": ["a", 1]}), triton_status=500),
+    Bad("missing-name-triton-500-geserve-400", "simple", _inputs({k: v for k, v in _IN0.items() if k != "name"}, _IN1),
+        triton_status=500, message="Unable to parse 'name': attempt to access non-existing object member 'name'"),
+    Bad("missing-shape-triton-500-geserve-400", "simple",
+        _inputs({k: v for k, v in _IN0.items() if k != "shape"}, _IN1),
+        triton_status=500, message="Unable to parse 'shape': attempt to access non-existing object member 'shape'"),
+    Bad("missing-datatype-triton-500-geserve-400", "simple",
+        _inputs({k: v for k, v in _IN0.items() if k != "datatype"}, _IN1), triton_status=500,
+        message="Unable to parse 'datatype': attempt to access non-existing object member 'datatype'"),
+    Bad("negative-dim-triton-500-geserve-400", "simple", _inputs({**_IN0, "shape": [1, -16]}, _IN1),
+        triton_status=500, same_prefix="Unable to parse 'shape'"),
+    Bad("non-string-id-triton-500-geserve-400", "simple", simple_json(id=5), triton_status=500,
+        message="Unable to parse 'id': attempt to access JSON non-string as string"),
+    Bad("non-boolean-binary-data-output-triton-500-geserve-400", "simple",
+        simple_json(parameters={"binary_data_output": "yes"}), triton_status=500,
+        message="Unable to parse 'binary_data_output': attempt to access JSON non-boolean as boolean"),
+    Bad("non-boolean-binary-data-triton-500-geserve-400", "simple",
+        _with_outputs({"name": "OUTPUT0", "parameters": {"binary_data": 1}}), triton_status=500,
+        message="Unable to parse 'binary_data': attempt to access JSON non-boolean as boolean"),
+    Bad("negative-priority-triton-500-geserve-400", "simple", simple_json(parameters={"priority": -1}),
+        triton_status=500),
+    Bad("negative-classification-triton-500-geserve-400", "simple",
+        _with_outputs({"name": "OUTPUT0", "parameters": {"classification": -1}}), triton_status=500),
+    Bad("string-classification-triton-500-geserve-400", "simple",
+        _with_outputs({"name": "OUTPUT0", "parameters": {"classification": "2"}}), triton_status=500),
+]
+
+
+@pytest.mark.parametrize("case", BADS, ids=[c.id for c in BADS])
+def test_inference_refused(servers: Servers, case: Bad) -> None:
+    triton, geserve = servers.both("POST", case.url, _body(case.body), case.headers)
+    if case.triton_status is None:
+        assert_same_error(triton, geserve, case.status, case.message)
+    else:
+        assert (triton.status, geserve.status) == (case.triton_status, case.status), (triton.body, geserve.body)
+        assert geserve.content_type == triton.content_type == JSON_CT
+        if case.message is not None:
+            assert triton.error() == case.message, "the reference changed: update the expected text"
+            assert geserve.error() == case.message
+    triton_error, geserve_error = triton.error(), geserve.error()
+    if case.same_prefix is not None:
+        assert triton_error.startswith(case.same_prefix) and geserve_error.startswith(case.same_prefix)
+    # Refused requests leave both servers serving.
+    assert all(r.status == 200 for r in servers.both("GET", "/v2/health/ready"))
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+
+def _stats(reply: Reply) -> dict:
+    assert reply.status == 200 and reply.content_type == JSON_CT
+    (entry,) = reply.json()["model_stats"]
+    return entry
+
+
+def _counts(entry: dict) -> dict:
+    """Everything in a model's statistics but the timings: what must equal Triton's exactly."""
+    return {
+        "name": entry["name"],
+        "version": entry["version"],
+        "inference_count": entry["inference_count"],
+        "execution_count": entry["execution_count"],
+        "inference_stats": {k: v["count"] for k, v in entry["inference_stats"].items()},
+        "batch_stats": [
+            {"batch_size": b["batch_size"], **{k: v["count"] for k, v in b.items() if k != "batch_size"}}
+            for b in entry["batch_stats"]
+        ],
+        "response_stats": entry["response_stats"],
+        "memory_usage": entry["memory_usage"],
+    }
+
+
+def _wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float = 5.0) -> Any:
+    """Triton may update statistics just after it answers; poll until the traffic shows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+def test_statistics_count_known_traffic_exactly(servers: Servers) -> None:
+    """A fresh model: all zeros, then after known traffic the same counts as Triton, batch_stats included.
+
+    Requests refused before they reach the model (bad shape, unknown output, malformed JSON) count nowhere.
+    """
+    path = f"/v2/models/{STATS_MODEL}/stats"
+    triton, geserve = servers.both("GET", path)
+    fresh_t, fresh_g = _stats(triton), _stats(geserve)
+    assert fresh_g == fresh_t  # all zeros: every value, timings included
+    assert set(fresh_g["inference_stats"]) == INFERENCE_STATS_KEYS
+
+    url = f"/v2/models/{STATS_MODEL}/infer"
+    batches = [1, 2, 2, 3, 1]
+    for rows in batches:
+        header, payload = simple_inputs(rows, binary=True)
+        body, headers = binary_request(header, payload)
+        assert all(r.status == 200 for r in servers.both("POST", url, body, headers))
+    short = _inputs({**_IN0, "shape": [1, 8], "data": A[:8].tolist()}, _IN1)
+    assert all(r.status == 400 for r in servers.both("POST", url, short))
+    assert all(r.status == 400 for r in servers.both("POST", url, _with_outputs({"name": "NOPE"})))
+    assert {r.status for r in servers.both("POST", url, b"{bad")} == {400, 500}
+
+    def read() -> tuple[dict, dict]:
+        triton, geserve = servers.both("GET", path)
+        return _stats(triton), _stats(geserve)
+
+    expected = len(batches)
+    after_t, after_g = _wait_for(read, lambda s: all(e["inference_stats"]["success"]["count"] == expected for e in s))
+    assert strip_values(after_g) == strip_values(after_t)
+    assert _counts(after_g) == _counts(after_t)
+    assert after_g["inference_count"] == sum(batches) and after_g["execution_count"] == len(batches)
+    assert [b["batch_size"] for b in after_g["batch_stats"]] == [1, 2, 3]
+    assert [b["compute_infer"]["count"] for b in after_g["batch_stats"]] == [2, 2, 1]
+    for entry in (after_t, after_g):
+        assert entry["last_inference"] > 0
+        for key, value in entry["inference_stats"].items():
+            assert (value["ns"] > 0) == (value["count"] > 0), key
+
+    version_t, version_g = servers.both("GET", f"/v2/models/{STATS_MODEL}/versions/1/stats")
+    assert _counts(_stats(version_g)) == _counts(_stats(version_t)) == _counts(after_g)
+
+
+def test_statistics_of_every_model(servers: Servers) -> None:
+    triton, geserve = servers.both("GET", "/v2/models/stats")
+    assert (triton.status, geserve.status) == (200, 200)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    t_all, g_all = triton.json()["model_stats"], geserve.json()["model_stats"]
+    assert [(e["name"], e["version"]) for e in g_all] == [(e["name"], e["version"]) for e in t_all]
+    for t_entry, g_entry in zip(t_all, g_all, strict=True):
+        assert set(g_entry) == set(t_entry)
+        assert set(g_entry["inference_stats"]) == set(t_entry["inference_stats"]) == INFERENCE_STATS_KEYS
+        for stats in g_entry["inference_stats"].values():
+            assert set(stats) == {"count", "ns"} and all(isinstance(v, int) for v in stats.values())
+
