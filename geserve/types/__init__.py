@@ -7,6 +7,7 @@ from geserve.types.tensors import (
     InputTensor,
     OutputTensor,
     RequestedOutput,
+    Tensor,
 )
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "InputTensor",
     "OutputTensor",
     "RequestedOutput",
+    "Tensor",
     "from_numpy",
 ]

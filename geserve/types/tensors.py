@@ -9,12 +9,19 @@ import numpy as np
 
 
 @dataclass(slots=True)
-class InputTensor:
+class Tensor:
+    """A named tensor: `data` is a numpy array (object dtype of bytes for BYTES), `datatype` its wire name."""
+
     name: str
     datatype: str
     shape: tuple[int, ...]
     data: np.ndarray
     parameters: dict[str, Any] = field(default_factory=dict)
+
+
+# Inputs and outputs are the same thing travelling in opposite directions.
+InputTensor = Tensor
+OutputTensor = Tensor
 
 
 @dataclass(slots=True)
@@ -39,15 +46,6 @@ class InferenceRequest:
     timeout_us: int = 0
     # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
-
-
-@dataclass(slots=True)
-class OutputTensor:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: np.ndarray
-    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
