@@ -37,6 +37,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--allow-http", type=_bool, nargs="?", const=True, default=True)
     add("--http-max-input-size", type=int, default=64 * 1024 * 1024,
         help="largest accepted request body in bytes (default 64 MiB)")
+    add("--http-server", choices=["native", "uvicorn"], default="native",
+        help="the HTTP server under the ASGI app (geserve's own lean one, or uvicorn)")
     add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
     add("--grpc-port", type=int, default=8001, help="reserved for the gRPC frontend")
     add("--grpc-address", default="0.0.0.0")
@@ -78,7 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings.model_repositories = args.model_repositories
     settings.http_port, settings.http_address = args.http_port, args.http_address
     settings.allow_http, settings.http_max_input_size = args.allow_http, args.http_max_input_size
-    settings.http_thread_count = args.http_thread_count
+    settings.http_thread_count, settings.http_server = args.http_thread_count, args.http_server
     settings.grpc_port, settings.grpc_address, settings.allow_grpc = args.grpc_port, args.grpc_address, args.allow_grpc
     settings.metrics_port, settings.allow_metrics = args.metrics_port, args.allow_metrics
     settings.model_control_mode, settings.load_models = args.model_control_mode, args.load_models

@@ -36,6 +36,8 @@ class ServerSettings:
     log_verbose: int = 0
     http_max_input_size: int = 64 * 1024 * 1024
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
+    http_server: str = "native"
+    """native: geserve's lean HTTP/1.1 server (default); uvicorn: the same ASGI app on uvicorn."""
     http_thread_count: int = 0
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
 

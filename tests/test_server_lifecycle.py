@@ -220,3 +220,14 @@ def test_instances_execute_in_parallel(tmp_path: Path) -> None:
         busy = compute_infer_ns() - before
         # On one instance the two executions cannot overlap, so their summed time stays below the wall time.
         assert busy > 1.2 * wall, (busy, wall)
+
+
+def test_same_app_runs_on_uvicorn(good_repo: Path, tmp_path: Path) -> None:
+    """The HTTP frontend is a plain ASGI app: uvicorn can host it instead of the native server."""
+    with geserve([good_repo], tmp_path / "log", ["--http-server=uvicorn"]) as server:
+        body = json.dumps({"inputs": [
+            {"name": n, "shape": [1, 16], "datatype": "INT32", "data": [3] * 16} for n in ("INPUT0", "INPUT1")
+        ]}).encode()
+        status, answer = _post(server.base + "/v2/models/simple/infer", body)
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [6] * 16
+        assert _get(server.base + "/v2/models/nope")[0] == 404

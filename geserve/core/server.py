@@ -71,7 +71,12 @@ class Server:
         if self.settings.allow_http:
             app = HttpFrontend(self.dataplane, self.settings.http_max_input_size)
             self._http = create_http_server(
-                app, self.settings.http_address, self.settings.http_port, self.settings.log_verbose
+                app,
+                self.settings.http_address,
+                self.settings.http_port,
+                self.settings.log_verbose,
+                self.settings.http_server,
+                self.settings.http_max_input_size,
             )
             self._http_task = asyncio.create_task(self._http.serve())
             while not self._http.started:

@@ -1,10 +1,17 @@
-"""A model's instances: each batch goes to the first free instance, on that instance's own worker thread."""
+"""A model's instances: each batch goes to the first free instance, on that instance's own worker thread.
+
+Each instance owns one long-lived thread fed through a `queue.SimpleQueue`, and hands results back with
+one `call_soon_threadsafe`: cheaper per request than `run_in_executor`'s executor and future chaining,
+which showed up as the largest cost of a small model in profiles.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from geserve.backends.base import ModelInstance
 from geserve.core.statistics import ModelStatistics
@@ -12,48 +19,83 @@ from geserve.errors import GeserveError, InternalError
 from geserve.types import InferenceRequest, InferenceResponse
 
 Results = list[InferenceResponse | GeserveError]
+Phases = tuple[int, int, int]  # compute input, infer, output (ns)
+
+
+class _Worker:
+    """One instance and the thread that runs its batches, one at a time."""
+
+    def __init__(self, instance: ModelInstance, pool: InstancePool) -> None:
+        self.instance = instance
+        self._pool = pool
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"ge-{instance.name}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            requests, future, loop = job
+            try:
+                start = time.monotonic_ns()
+                responses = self.instance.execute(requests)
+                phases = getattr(self.instance, "last_phase_ns", None) or (0, time.monotonic_ns() - start, 0)
+                outcome: tuple[Results, Phases] | BaseException = (responses, phases)
+            except BaseException as exc:  # handed to the waiting request, never lost
+                outcome = exc
+            loop.call_soon_threadsafe(self._pool._finish, self, future, outcome)
 
 
 class InstancePool:
     def __init__(self, model_name: str, instances: list[ModelInstance], statistics: ModelStatistics) -> None:
         if not instances:
             raise InternalError(f"model '{model_name}' has no instances to execute on")
-        self._instances = instances
         self._statistics = statistics
-        self._free: asyncio.Queue[ModelInstance] = asyncio.Queue()
-        for instance in instances:
-            self._free.put_nowait(instance)
-        # One thread per instance: N instances really execute N batches at once (ONNX Runtime drops the GIL).
-        self._executor = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"ge-{model_name}")
+        self._workers = [_Worker(instance, self) for instance in instances]
+        self._free: list[_Worker] = list(reversed(self._workers))
+        self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
 
     @property
     def size(self) -> int:
-        return len(self._instances)
+        return len(self._workers)
 
     async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:
-        instance = await self._free.get()
-        try:
-            started = time.monotonic_ns()
-            loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(self._executor, _timed_execute, instance, requests)
-        finally:
-            self._free.put_nowait(instance)
-        responses, (input_ns, infer_ns, output_ns) = results
+        loop = asyncio.get_running_loop()
+        if self._free:
+            worker = self._free.pop()  # the most recently used instance: its caches are warm
+        else:
+            waiter: asyncio.Future[_Worker] = loop.create_future()
+            self._waiters.append(waiter)
+            worker = await waiter
+        started = time.monotonic_ns()
+        done: asyncio.Future[tuple[Results, Phases]] = loop.create_future()
+        worker.jobs.put((requests, done, loop))
+        responses, (input_ns, infer_ns, output_ns) = await done
         rows = sum(r.batch_size for r in requests)
         self._statistics.record_execution(
             len(requests), rows, [started - t for t in enqueued_ns], input_ns, infer_ns, output_ns
         )
         return responses
 
+    def _finish(self, worker: _Worker, done: asyncio.Future, outcome: tuple[Results, Phases] | BaseException) -> None:
+        """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                break
+        else:
+            self._free.append(worker)
+        if done.done():
+            return
+        if isinstance(outcome, BaseException):
+            done.set_exception(outcome)
+        else:
+            done.set_result(outcome)
+
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        for instance in self._instances:
-            instance.finalize()
-
-
-def _timed_execute(instance: ModelInstance, requests: list[InferenceRequest]) -> tuple[Results, tuple[int, int, int]]:
-    start = time.monotonic_ns()
-    responses = instance.execute(requests)
-    elapsed = time.monotonic_ns() - start
-    phases = getattr(instance, "last_phase_ns", None)
-    return responses, (phases if phases is not None else (0, elapsed, 0))
+        """Stop the worker threads after the batches they hold, then release the instances."""
+        for worker in self._workers:
+            worker.jobs.put(None)
+        for worker in self._workers:
+            worker.thread.join()
+            worker.instance.finalize()

@@ -144,6 +144,20 @@ import triton_python_backend_utils as pb_utils
 ONNX_FILENAME = {onnx_name!r}
 
 
+def _stackable(feeds):
+    """True when the requests carry the same inputs with equal dtypes and equal non-batch dims."""
+    first = feeds[0]
+    for feed in feeds:
+        if feed.keys() != first.keys() or not feed:
+            return False
+        if len({{value.shape[0] if value.ndim else -1 for value in feed.values()}}) != 1:
+            return False
+        for name, value in feed.items():
+            if value.ndim == 0 or value.dtype != first[name].dtype or value.shape[1:] != first[name].shape[1:]:
+                return False
+    return True
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -170,27 +184,49 @@ class TritonPythonModel:
             o["name"]: pb_utils.TRITON_STRING_TO_NUMPY.get(o["data_type"])
             for o in config.get("output", [])
         }}
+        self.batching = int(config.get("max_batch_size", 0)) > 0
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            feeds = {{}}
-            for cfg_name, sess_name in self.input_map.items():
-                tensor = pb_utils.get_input_tensor_by_name(request, cfg_name)
-                if tensor is not None:
-                    feeds[sess_name] = tensor.as_numpy()
-            names = list(self.output_map)
-            values = self.session.run([self.output_map[n] for n in names], feeds)
-            outputs = []
-            for name, value in zip(names, values):
-                dtype = self.output_types[name]
-                if dtype is np.object_:
-                    value = np.asarray(value, dtype=np.object_)
-                elif dtype is not None:
-                    value = np.ascontiguousarray(value, dtype=dtype)
-                outputs.append(pb_utils.Tensor(name, value))
-            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
-        return responses
+        feeds = [self._feeds(request) for request in requests]
+        if self.batching and len(feeds) > 1 and _stackable(feeds):
+            responses = self._run_stacked(feeds)
+            if responses is not None:
+                return responses
+        return [self._response(self._run(feed)) for feed in feeds]
+
+    def _feeds(self, request):
+        feeds = {{}}
+        for cfg_name, sess_name in self.input_map.items():
+            tensor = pb_utils.get_input_tensor_by_name(request, cfg_name)
+            if tensor is not None:
+                feeds[sess_name] = tensor.as_numpy()
+        return feeds
+
+    def _run(self, feeds):
+        names = list(self.output_map)
+        return dict(zip(names, self.session.run([self.output_map[n] for n in names], feeds)))
+
+    def _run_stacked(self, feeds):
+        """Dynamic batching hands over several requests: one session run on their concatenated rows."""
+        rows = [next(iter(feed.values())).shape[0] for feed in feeds]
+        merged = {{name: np.concatenate([feed[name] for feed in feeds]) for name in feeds[0]}}
+        outputs = self._run(merged)
+        if any(value.ndim == 0 or value.shape[0] != sum(rows) for value in outputs.values()):
+            return None  # outputs not batch-major: fall back to one run per request
+        bounds = np.cumsum(rows)[:-1]
+        parts = {{name: np.split(value, bounds) for name, value in outputs.items()}}
+        return [self._response({{name: parts[name][k] for name in outputs}}) for k in range(len(feeds))]
+
+    def _response(self, outputs):
+        tensors = []
+        for name, value in outputs.items():
+            dtype = self.output_types[name]
+            if dtype is np.object_:
+                value = np.asarray(value, dtype=np.object_)
+            elif dtype is not None:
+                value = np.ascontiguousarray(value, dtype=dtype)
+            tensors.append(pb_utils.Tensor(name, value))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):
         self.session = None
@@ -214,12 +250,20 @@ def _is_complete(config_text: str, config: object) -> bool:
     )
 
 
-def build_python_backend_repository(source_repo: Path, dest: Path, models: Sequence[str] | None = None) -> Path:
+def build_python_backend_repository(
+    source_repo: Path,
+    dest: Path,
+    models: Sequence[str] | None = None,
+    *,
+    dynamic_batching: bool = False,
+) -> Path:
     """Write Triton Python-backend equivalents of ONNX models from ``source_repo`` into ``dest``.
 
     ``models`` names the model folders to convert (each must have a complete config.pbtxt: inputs,
     outputs and max_batch_size); ``None`` converts every folder whose config is complete and which
-    holds an ONNX file, skipping the rest. Returns ``dest``.
+    holds an ONNX file, skipping the rest. ``dynamic_batching`` adds ``dynamic_batching {}`` to every
+    batching model's config (the generated model.py then runs the requests of a batch as one session
+    call). Returns ``dest``.
     """
     from google.protobuf import text_format
 
@@ -259,6 +303,8 @@ def build_python_backend_repository(source_repo: Path, dest: Path, models: Seque
         config.backend = "python"  # type: ignore[attr-defined]
         # For the Python backend default_model_filename names the script, not the ONNX file.
         config.default_model_filename = ""  # type: ignore[attr-defined]
+        if dynamic_batching and config.max_batch_size > 0:  # type: ignore[attr-defined]
+            config.dynamic_batching.SetInParent()  # type: ignore[attr-defined]
         for group in config.instance_group:  # type: ignore[attr-defined]
             if group.kind in (group.KIND_GPU, group.KIND_AUTO):
                 group.kind = group.KIND_CPU

@@ -1,4 +1,4 @@
-"""Runs the HTTP ASGI app on uvicorn (httptools parser) inside the server's own event loop."""
+"""Runs the HTTP ASGI app inside the server's own event loop: on geserve's native server, or on uvicorn."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from collections.abc import Iterator
 import uvicorn
 
 from geserve.frontends.http.app import HttpFrontend
+from geserve.frontends.http.native_server import NativeHttpServer
+
+HTTP_SERVERS = ("native", "uvicorn")
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -21,7 +24,11 @@ class _EmbeddedUvicorn(uvicorn.Server):
         return
 
 
-def create_http_server(app: HttpFrontend, host: str, port: int, log_verbose: int) -> uvicorn.Server:
+def create_http_server(
+    app: HttpFrontend, host: str, port: int, log_verbose: int, kind: str, max_body_size: int
+) -> NativeHttpServer | uvicorn.Server:
+    if kind == "native":
+        return NativeHttpServer(app, host, port, max_body_size)
     config = uvicorn.Config(
         app,
         host=host,
@@ -32,6 +39,10 @@ def create_http_server(app: HttpFrontend, host: str, port: int, log_verbose: int
         access_log=log_verbose > 1,
         log_level="debug" if log_verbose > 1 else "warning",
         timeout_keep_alive=75,
+        # No per-response work a client does not ask for: no proxy header rewriting, Server or Date headers.
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
         backlog=2048,
     )
     return _EmbeddedUvicorn(config)
