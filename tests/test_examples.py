@@ -15,9 +15,10 @@ from tests.support.server import RunningServer, geserve
 
 sys.path.insert(0, str(EXAMPLES))
 
-from build import REPOSITORY, main as build_examples  # noqa: E402
-from build_efficientnet import preprocess  # noqa: E402
-from build_minilm import tokenize  # noqa: E402
+from build import REPOSITORY
+from build import main as build_examples
+from build_efficientnet import preprocess
+from build_minilm import tokenize
 
 
 @pytest.fixture(scope="module")
