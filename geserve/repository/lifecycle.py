@@ -203,16 +203,17 @@ class ModelManager:
             backend = self._registry.backend_for(config)
             instances = await asyncio.to_thread(backend.create_instances, config, source)
             labels = await asyncio.to_thread(_read_labels, config, model_dir)
+            statistics = ModelStatistics()
+            pool = InstancePool(config.name, instances, statistics)
+            scheduler = create_scheduler(config, pool)
         except GeserveError as exc:
             logger.error("model '%s' version %d is unavailable: %s", config.name, version, exc.message)
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)
-        statistics = ModelStatistics()
-        pool = InstancePool(config.name, instances, statistics)
         model = LoadedModel(
             name=config.name,
             version=version,
             config=config,
-            scheduler=create_scheduler(config, pool),
+            scheduler=scheduler,
             statistics=statistics,
             inputs=tensor_specs(config.input),
             outputs=tensor_specs(config.output),

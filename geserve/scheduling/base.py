@@ -18,11 +18,17 @@ class Scheduler(Protocol):
     def inflight_count(self) -> int: ...
 
     async def stop(self) -> None:
-        """Fail what is still queued, wait for what is executing, release the instances."""
+        """Serve or fail what is queued, wait for what is executing, release the instances."""
 
 
 def create_scheduler(config: ModelConfig, pool: InstancePool) -> Scheduler:
-    # The dynamic batcher and the sequence batcher plug in here, chosen by config.scheduling_choice.
+    """`dynamic_batching` (or batch gears, which need padding) picks the dynamic batcher; else direct."""
     from geserve.scheduling.direct import DirectScheduler
+    from geserve.scheduling.dynamic_batcher import BatcherSettings, DynamicBatcher, parse_gears
 
+    batching = config.max_batch_size > 0 and (
+        config.WhichOneof("scheduling_choice") == "dynamic_batching" or bool(parse_gears(config))
+    )
+    if batching:
+        return DynamicBatcher(config.name, BatcherSettings.from_config(config), pool)
     return DirectScheduler(pool)

@@ -58,33 +58,57 @@ class InstancePool:
     def size(self) -> int:
         return len(self._workers)
 
-    async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:
-        loop = asyncio.get_running_loop()
+    @property
+    def has_free(self) -> bool:
+        return bool(self._free)
+
+    async def acquire(self) -> _Worker:
+        """The first free instance (waiting for one if all are busy); `run` hands it back when done."""
         if self._free:
-            worker = self._free.pop()  # the most recently used instance: its caches are warm
-        else:
-            waiter: asyncio.Future[_Worker] = loop.create_future()
-            self._waiters.append(waiter)
-            worker = await waiter
+            return self._free.pop()  # the most recently used instance: its caches are warm
+        waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(waiter.result())
+            raise
+
+    async def run(
+        self, worker: _Worker, requests: list[InferenceRequest], enqueued_ns: list[int], padding_rows: int = 0
+    ) -> Results:
+        """Execute `requests` as one batch on `worker`; the last `padding_rows` rows are gear padding."""
+        loop = asyncio.get_running_loop()
         started = time.monotonic_ns()
         done: asyncio.Future[tuple[Results, Phases]] = loop.create_future()
         worker.jobs.put((requests, done, loop))
         responses, (input_ns, infer_ns, output_ns) = await done
-        rows = sum(r.batch_size for r in requests)
+        rows = sum(r.batch_size for r in requests) - padding_rows
+        count = len(requests) - (1 if padding_rows else 0)
         self._statistics.record_execution(
-            len(requests), rows, [started - t for t in enqueued_ns], input_ns, infer_ns, output_ns
+            count, rows, [started - t for t in enqueued_ns], input_ns, infer_ns, output_ns
         )
         return responses
 
-    def _finish(self, worker: _Worker, done: asyncio.Future, outcome: tuple[Results, Phases] | BaseException) -> None:
-        """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
+    async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:
+        return await self.run(await self.acquire(), requests, enqueued_ns)
+
+    def take_free(self) -> _Worker:
+        """A free instance right now (check `has_free` first): no await between the check and the take."""
+        return self._free.pop()
+
+    def release(self, worker: _Worker) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(worker)
-                break
-        else:
-            self._free.append(worker)
+                return
+        self._free.append(worker)
+
+    def _finish(self, worker: _Worker, done: asyncio.Future, outcome: tuple[Results, Phases] | BaseException) -> None:
+        """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
+        self.release(worker)
         if done.done():
             return
         if isinstance(outcome, BaseException):

@@ -50,6 +50,8 @@ def auto_complete(config: ModelConfig, model_path: Path, default_max_batch_size:
     batchable = bool(graph) and all(t.shape and t.shape[0] == -1 for t in graph)
     if config.max_batch_size == 0 and batchable and not _dims_given_with_batch(config, graph):
         config.max_batch_size = default_max_batch_size
+        if default_max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
+            config.dynamic_batching.SetInParent()  # as Triton does when it chose the batch size itself
     if config.max_batch_size > 0 and not batchable:
         raise InvalidArgumentError(
             f"model '{config.name}': max_batch_size is {config.max_batch_size} but the first dimension of "

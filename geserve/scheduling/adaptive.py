@@ -1,0 +1,52 @@
+"""Adaptive batching: tunes the batch limit and queue delay from measured latencies to hold a p99 target.
+
+The strategy of the Ascend deployment guides, made continuous: while the p99 of recent requests is under
+the target, double the batch limit (then the delay); above it, halve them. What no anchor server has.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+_WINDOW = 256  # latencies per decision
+_MIN_INTERVAL_NS = 200_000_000  # at most five decisions a second
+_HEADROOM = 0.8  # grow only while p99 is below 80% of the target
+
+
+class AdaptiveController:
+    def __init__(self, target_p99_ms: float, max_batch_size: int, max_delay_ns: int) -> None:
+        self.target_ns = int(target_p99_ms * 1e6)
+        self.max_batch_size = max_batch_size
+        # The configured delay is the ceiling; without one, allow up to a quarter of the target.
+        self.max_delay_ns = max_delay_ns or self.target_ns // 4
+        self.batch_limit = 1
+        self.delay_ns = 0
+        self.last_p99_ns = 0
+        self._samples: list[int] = []
+        self._last_decision = time.monotonic_ns()
+
+    def observe(self, latencies_ns: list[int]) -> None:
+        self._samples.extend(latencies_ns)
+        now = time.monotonic_ns()
+        if len(self._samples) < _WINDOW and now - self._last_decision < _MIN_INTERVAL_NS:
+            return
+        if len(self._samples) < 8:
+            return
+        self.last_p99_ns = int(np.percentile(self._samples, 99))
+        self._samples.clear()
+        self._last_decision = now
+        self.decide(self.last_p99_ns)
+
+    def decide(self, p99_ns: int) -> None:
+        if p99_ns > self.target_ns:
+            if self.delay_ns:
+                self.delay_ns //= 2
+            else:
+                self.batch_limit = max(1, self.batch_limit // 2)
+        elif p99_ns < self.target_ns * _HEADROOM:
+            if self.batch_limit < self.max_batch_size:
+                self.batch_limit = min(self.max_batch_size, self.batch_limit * 2)
+            elif self.delay_ns < self.max_delay_ns:
+                self.delay_ns = min(self.max_delay_ns, max(50_000, self.delay_ns * 2))

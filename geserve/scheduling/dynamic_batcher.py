@@ -1,0 +1,331 @@
+"""Triton's dynamic batcher: forms batches (in rows) from compatible queued requests, one place for every rule.
+
+A batch is formed when an instance is free: it takes queued requests in priority order whose shapes match
+the first one's, up to the row limit. It goes at once when it reaches a preferred size (or the limit); else
+it waits until the oldest request has waited `max_queue_delay`. With batch gears, a batch is cut to a gear
+or padded up to the next one, and the padding is sliced off the outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from geserve.config import ModelConfig
+from geserve.errors import GeserveError, InvalidArgumentError, UnavailableError
+from geserve.scheduling.adaptive import AdaptiveController
+from geserve.scheduling.pool import InstancePool
+from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy
+from geserve.types import InferenceRequest, InferenceResponse, InputTensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherSettings:
+    max_batch_size: int
+    preferred_batch_sizes: tuple[int, ...]  # ascending
+    max_queue_delay_ns: int
+    preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    policies: dict[int, QueuePolicy] = field(default_factory=dict)
+    gears: tuple[int, ...] = ()  # ascending batch sizes the graph was compiled for; () for any size
+    adaptive_target_p99_ms: float = 0.0  # 0: off
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> BatcherSettings:
+        batching = config.dynamic_batching
+        gears = parse_gears(config)
+        limit = min(config.max_batch_size, gears[-1]) if gears else config.max_batch_size
+        preferred = tuple(sorted(s for s in batching.preferred_batch_size if 0 < s <= limit)) or (limit,)
+        levels = batching.priority_levels
+        default_policy = QueuePolicy.from_config(batching.default_queue_policy)
+        policies = {level: default_policy for level in range(1, max(1, levels) + 1)}
+        for level, policy in batching.priority_queue_policy.items():
+            policies[int(level)] = QueuePolicy.from_config(policy)
+        adaptive = config.parameters.get("adaptive_batching_target_p99_ms")
+        return cls(
+            max_batch_size=limit,
+            preferred_batch_sizes=preferred,
+            max_queue_delay_ns=batching.max_queue_delay_microseconds * 1000,
+            preserve_ordering=batching.preserve_ordering,
+            priority_levels=levels,
+            default_priority_level=batching.default_priority_level,
+            policies=policies,
+            gears=gears,
+            adaptive_target_p99_ms=_positive_float("adaptive_batching_target_p99_ms", adaptive.string_value)
+            if adaptive is not None
+            else 0.0,
+        )
+
+
+def parse_gears(config: ModelConfig) -> tuple[int, ...]:
+    """The `batch_gears` parameter ("1,2,4,8"): the batch sizes a static-shape graph accepts."""
+    parameter = config.parameters.get("batch_gears")
+    if parameter is None or not parameter.string_value.strip():
+        return ()
+    try:
+        gears = sorted({int(g) for g in parameter.string_value.replace(";", ",").split(",") if g.strip()})
+    except ValueError:
+        raise InvalidArgumentError(
+            f"parameter 'batch_gears' of model '{config.name}' must list batch sizes like \"1,2,4,8\", "
+            f"got '{parameter.string_value}'"
+        ) from None
+    if not gears or gears[0] < 1 or (config.max_batch_size and gears[-1] > config.max_batch_size):
+        raise InvalidArgumentError(
+            f"parameter 'batch_gears' of model '{config.name}' must hold sizes between 1 and max_batch_size "
+            f"({config.max_batch_size}), got '{parameter.string_value}'"
+        )
+    return tuple(gears)
+
+
+def _positive_float(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise InvalidArgumentError(f"parameter '{name}' must be a positive number of milliseconds, got '{text}'")
+    return value
+
+
+def _shape_key(request: InferenceRequest) -> tuple:
+    """Requests batch together only when every input has the same shape past the batch axis."""
+    return tuple(t.shape[1:] for t in request.inputs)
+
+
+class DynamicBatcher:
+    def __init__(self, model_name: str, settings: BatcherSettings, pool: InstancePool) -> None:
+        self._name = model_name
+        self._settings = settings
+        self._pool = pool
+        self._queue = PriorityQueue(settings.priority_levels, settings.default_priority_level, settings.policies)
+        self._arrived = asyncio.Event()
+        self._sequence = 0
+        self._executing = 0
+        self._dispatches: set[asyncio.Task] = set()
+        self._stopping = False
+        self._next_release = 0  # preserve_ordering: the sequence number whose result goes out next
+        self._finished: dict[int, tuple[Pending, InferenceResponse | BaseException]] = {}
+        self._adaptive = (
+            AdaptiveController(settings.adaptive_target_p99_ms, settings.max_batch_size, settings.max_queue_delay_ns)
+            if settings.adaptive_target_p99_ms
+            else None
+        )
+        self._task = asyncio.get_running_loop().create_task(self._form_batches(), name=f"batcher-{model_name}")
+
+    @property
+    def inflight_count(self) -> int:
+        return self._queue.size + self._executing
+
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        return self._adaptive
+
+    async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
+        if self._stopping:
+            raise UnavailableError(f"model '{request.model_name}' is unloading")
+        if self._task.done():
+            raise UnavailableError(f"the batcher of model '{self._name}' has stopped")
+        if request.batch_size > self._settings.max_batch_size:
+            raise InvalidArgumentError(
+                f"inference request batch-size must be <= {self._settings.max_batch_size} for '{self._name}'"
+            )
+        now = time.monotonic_ns()
+        level = self._queue.level_of(request.priority)
+        timeout_us = self._queue.policy(level).timeout_us(request.timeout_us)
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        pending = Pending(request, future, now, now + timeout_us * 1000 if timeout_us else 0, self._sequence,
+                          _shape_key(request))
+        if self._can_bypass_queue():
+            return await self._run_alone(pending)
+        self._queue.push(pending, level)  # raises at once when the level's queue is full
+        self._sequence += 1
+        self._arrived.set()
+        return await future
+
+    def _can_bypass_queue(self) -> bool:
+        """Nothing to wait for and nothing to batch with: skip the batcher task's hop (no added latency)."""
+        return (
+            not self._queue.size
+            and self._pool.has_free
+            and self._limits()[1] == 0
+            and not self._settings.gears
+            and not self._settings.preserve_ordering
+        )
+
+    async def _run_alone(self, pending: Pending) -> InferenceResponse:
+        self._executing += 1
+        try:
+            (result,) = await self._pool.run(self._pool.take_free(), [pending.request], [pending.enqueued_ns])
+        finally:
+            self._executing -= 1
+        if self._adaptive is not None:
+            self._adaptive.observe([time.monotonic_ns() - pending.enqueued_ns])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def stop(self) -> None:
+        """Serve what is queued, wait for what executes, then release the instances."""
+        self._stopping = True
+        self._arrived.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if self._dispatches:
+            await asyncio.gather(*self._dispatches, return_exceptions=True)
+        await asyncio.to_thread(self._pool.close)
+
+    # ---- batch forming -------------------------------------------------------------------------
+
+    async def _form_batches(self) -> None:
+        try:
+            while True:
+                if not self._queue.size:
+                    if self._stopping:
+                        return
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                    continue
+                worker = await self._pool.acquire()
+                batch = await self._wait_for_batch()
+                if not batch:
+                    self._pool.release(worker)
+                    continue
+                task = asyncio.get_running_loop().create_task(self._dispatch(worker, batch))
+                self._dispatches.add(task)
+                task.add_done_callback(self._dispatches.discard)
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            logger.exception("dynamic batcher of model '%s' failed", self._name)
+            for pending in list(self._queue):
+                self._complete(pending, UnavailableError(f"the batcher of model '{self._name}' failed: {exc}"))
+            self._queue.remove(list(self._queue))
+            raise
+
+    async def _wait_for_batch(self) -> list[Pending]:
+        """With an instance in hand: wait until a batch is due (preferred size, limit or delay), then take it."""
+        while True:
+            now = time.monotonic_ns()
+            rejected, next_timeout = self._queue.expire(now)
+            for pending in rejected:
+                self._complete(pending, UnavailableError("Request timeout expired"))
+            if not self._queue.size:
+                return []
+            limit, delay_ns = self._limits()
+            batch, rows = self._candidate(limit)
+            preferred = self._preferred_prefix(batch)
+            due_at = (self._queue.oldest_enqueued_ns() or now) + delay_ns
+            if rows < limit and preferred:
+                batch = batch[:preferred]  # the largest preferred size it holds goes at once
+            elif rows < limit and now < due_at and not self._stopping:
+                wake_at = min(due_at, next_timeout) if next_timeout else due_at
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), (wake_at - now) / 1e9)
+                continue
+            self._queue.remove(batch)
+            return batch
+
+    def _limits(self) -> tuple[int, int]:
+        if self._adaptive is not None:
+            return self._adaptive.batch_limit, self._adaptive.delay_ns
+        return self._settings.max_batch_size, self._settings.max_queue_delay_ns
+
+    def _candidate(self, limit: int) -> tuple[list[Pending], int]:
+        """Queued requests, in priority order, that fit the row limit and share the first one's shapes."""
+        batch: list[Pending] = []
+        rows = 0
+        key = None
+        for pending in self._queue:
+            if key is None:
+                key = pending.shape_key
+            elif pending.shape_key != key:
+                continue
+            if rows + pending.rows > limit:
+                if rows:
+                    break
+                continue
+            batch.append(pending)
+            rows += pending.rows
+            if rows == limit:
+                break
+        return batch, rows
+
+    def _preferred_prefix(self, batch: list[Pending]) -> int:
+        """How many leading requests make the largest preferred batch size exactly (0: none)."""
+        preferred = self._settings.preferred_batch_sizes
+        best, rows = 0, 0
+        for count, pending in enumerate(batch, 1):
+            rows += pending.rows
+            if rows in preferred:
+                best = count
+        return best
+
+    # ---- execution -----------------------------------------------------------------------------
+
+    async def _dispatch(self, worker, batch: list[Pending]) -> None:
+        self._executing += len(batch)
+        requests = [p.request for p in batch]
+        rows = sum(p.rows for p in batch)
+        padding = self._padding(requests[0], rows)
+        try:
+            results = await self._pool.run(
+                worker,
+                requests + ([padding] if padding else []),
+                [p.enqueued_ns for p in batch],
+                padding.batch_size if padding else 0,
+            )
+        except Exception as exc:
+            error = exc if isinstance(exc, GeserveError) else UnavailableError(f"execution failed: {exc}")
+            results = [error] * len(batch)
+        finally:
+            self._executing -= len(batch)
+        for pending, result in zip(batch, results, strict=False):
+            self._complete(pending, result)
+        if self._adaptive is not None:
+            now = time.monotonic_ns()
+            self._adaptive.observe([(now - p.enqueued_ns) for p in batch])
+
+    def _padding(self, first: InferenceRequest, rows: int) -> InferenceRequest | None:
+        """Zero rows that lift a batch to the next gear; their outputs are never returned."""
+        gears = self._settings.gears
+        if not gears or rows in gears:
+            return None
+        gear = gears[bisect.bisect_left(gears, rows)]
+        extra = gear - rows
+        inputs = []
+        for tensor in first.inputs:
+            shape = (extra, *tensor.shape[1:])
+            data = np.zeros(shape, dtype=tensor.data.dtype)
+            if tensor.datatype == "BYTES":
+                data = np.full(shape, b"", dtype=object)
+            inputs.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+        padding = InferenceRequest(first.model_name, first.model_version, inputs, outputs=first.outputs)
+        padding.batch_size = extra
+        return padding
+
+    def _complete(self, pending: Pending, result: InferenceResponse | BaseException) -> None:
+        if not self._settings.preserve_ordering:
+            _resolve(pending, result)
+            return
+        self._finished[pending.sequence] = (pending, result)
+        while self._next_release in self._finished:
+            _resolve(*self._finished.pop(self._next_release))
+            self._next_release += 1
+
+
+def _resolve(pending: Pending, result: InferenceResponse | BaseException) -> None:
+    if pending.future.done():
+        return
+    if isinstance(result, BaseException):
+        pending.future.set_exception(result)
+    else:
+        pending.future.set_result(result)
+

@@ -1,0 +1,132 @@
+"""The dynamic batcher's queue: priority levels, each with Triton's queue policy (timeouts, size limit)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tritonclient.grpc import model_config_pb2
+
+from geserve.errors import UnavailableError
+from geserve.types import InferenceRequest, InferenceResponse
+
+_DELAY = model_config_pb2.ModelQueuePolicy.DELAY
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    delay_on_timeout: bool = False  # timeout_action DELAY; REJECT otherwise
+    default_timeout_us: int = 0  # 0: no timeout
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0  # 0: unbounded
+
+    @classmethod
+    def from_config(cls, policy: model_config_pb2.ModelQueuePolicy) -> QueuePolicy:
+        return cls(
+            delay_on_timeout=policy.timeout_action == _DELAY,
+            default_timeout_us=policy.default_timeout_microseconds,
+            allow_timeout_override=policy.allow_timeout_override,
+            max_queue_size=policy.max_queue_size,
+        )
+
+    def timeout_us(self, requested_us: int) -> int:
+        """Triton: a request may shorten the default timeout (when allowed), never lengthen it."""
+        if self.allow_timeout_override and requested_us > 0:
+            return min(requested_us, self.default_timeout_us) if self.default_timeout_us else requested_us
+        return self.default_timeout_us
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    """A queued request with its future and the times the batcher decides by (monotonic ns)."""
+
+    request: InferenceRequest
+    future: asyncio.Future[InferenceResponse]
+    enqueued_ns: int
+    deadline_ns: int  # 0: none
+    sequence: int
+    shape_key: tuple = field(default=())
+    delayed: bool = False  # timed out under a DELAY policy: served after every timely request
+
+    @property
+    def rows(self) -> int:
+        return self.request.batch_size
+
+
+class PriorityQueue:
+    """Levels 1..N (1 first), FIFO within a level; delayed requests go after all timely ones."""
+
+    def __init__(self, levels: int, default_level: int, policies: dict[int, QueuePolicy]) -> None:
+        self._levels = max(1, levels)
+        self._default = default_level if 1 <= default_level <= self._levels else 1
+        self._policies = policies
+        self._queues: dict[int, collections.deque[Pending]] = {
+            level: collections.deque() for level in range(1, self._levels + 1)
+        }
+        self._delayed: collections.deque[Pending] = collections.deque()
+        self.size = 0
+        self.rows = 0
+
+    def level_of(self, priority: int) -> int:
+        """Triton: priority 0 or one past the configured levels means the default level."""
+        return priority if 1 <= priority <= self._levels else self._default
+
+    def policy(self, level: int) -> QueuePolicy:
+        return self._policies.get(level, QueuePolicy())
+
+    def push(self, pending: Pending, level: int) -> None:
+        policy = self.policy(level)
+        queue = self._queues[level]
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            raise UnavailableError("Exceeds maximum queue size")
+        queue.append(pending)
+        self.size += 1
+        self.rows += pending.rows
+
+    def __iter__(self) -> Iterator[Pending]:
+        """Every queued request in the order batches take them."""
+        for level in range(1, self._levels + 1):
+            yield from self._queues[level]
+        yield from self._delayed
+
+    def oldest_enqueued_ns(self) -> int | None:
+        oldest = [q[0].enqueued_ns for q in self._queues.values() if q]
+        if self._delayed:
+            oldest.append(self._delayed[0].enqueued_ns)
+        return min(oldest) if oldest else None
+
+    def remove(self, taken: list[Pending]) -> None:
+        ids = {id(p) for p in taken}
+        for level, queue in self._queues.items():
+            if any(id(p) in ids for p in queue):
+                self._queues[level] = collections.deque(p for p in queue if id(p) not in ids)
+        if any(id(p) in ids for p in self._delayed):
+            self._delayed = collections.deque(p for p in self._delayed if id(p) not in ids)
+        self.size -= len(taken)
+        self.rows -= sum(p.rows for p in taken)
+
+    def expire(self, now_ns: int) -> tuple[list[Pending], int]:
+        """Apply timeouts: return the requests rejected now, and the next deadline still pending (0: none)."""
+        rejected: list[Pending] = []
+        next_deadline = 0
+        for level, queue in self._queues.items():
+            if not any(p.deadline_ns for p in queue):
+                continue
+            keep: collections.deque[Pending] = collections.deque()
+            for pending in queue:
+                if pending.deadline_ns and pending.deadline_ns <= now_ns:
+                    if self.policy(level).delay_on_timeout:
+                        pending.delayed, pending.deadline_ns = True, 0
+                        self._delayed.append(pending)
+                    else:
+                        rejected.append(pending)
+                        self.size -= 1
+                        self.rows -= pending.rows
+                    continue
+                if pending.deadline_ns and (not next_deadline or pending.deadline_ns < next_deadline):
+                    next_deadline = pending.deadline_ns
+                keep.append(pending)
+            self._queues[level] = keep
+        return rejected, next_deadline
