@@ -41,10 +41,8 @@ class RecordingInstance:
         if self.fail_next:
             self.fail_next = False
             return [InternalError("instance failed")] * len(requests)
-        return [
-            InferenceResponse(r.model_name, "1", [OutputTensor("y", "FP32", r.inputs[0].shape, r.inputs[0].data * 2)], r.id)
-            for r in requests
-        ]
+        doubled = [OutputTensor("y", "FP32", r.inputs[0].shape, r.inputs[0].data * 2) for r in requests]
+        return [InferenceResponse(r.model_name, "1", [out], r.id) for r, out in zip(requests, doubled, strict=True)]
 
     def finalize(self) -> None:
         pass
