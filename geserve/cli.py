@@ -28,6 +28,14 @@ def _backend_config(text: str) -> tuple[str, str, str]:
     return backend or "ge", key, value
 
 
+def _metrics_config(text: str) -> tuple[str, str]:
+    """`<key>=<value>`, as tritonserver's --metrics-config takes it."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--metrics-config expects <setting>=<value>, got '{text}'")
+    return key, value
+
+
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model-repository", "--model-store", dest="model_repositories", action="append", type=Path,
@@ -43,8 +51,17 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--grpc-port", type=int, default=8001, help="reserved for the gRPC frontend")
     add("--grpc-address", default="0.0.0.0")
     add("--allow-grpc", type=_bool, nargs="?", const=True, default=True)
-    add("--metrics-port", type=int, default=8002, help="reserved for the Prometheus endpoint")
+    add("--metrics-port", type=int, default=8002, help="port of the Prometheus endpoint (GET /metrics)")
+    add("--metrics-address", default="",
+        help="address of the Prometheus endpoint (default: --http-address when HTTP is on, else 0.0.0.0)")
     add("--allow-metrics", type=_bool, nargs="?", const=True, default=True)
+    add("--allow-cpu-metrics", type=_bool, nargs="?", const=True, default=True)
+    add("--allow-gpu-metrics", type=_bool, nargs="?", const=True, default=True,
+        help="accepted for compatibility; device metrics appear where the device reports them")
+    add("--metrics-interval-ms", type=float, default=2000.0, help="how often CPU metrics are sampled")
+    add("--metrics-config", action="append", type=_metrics_config, default=[],
+        help="<setting>=<value> (repeatable): counter_latencies, summary_latencies, summary_quantiles, "
+             "histogram_latencies")
     add("--model-control-mode", choices=["none", "explicit"], default="none")
     add("--load-model", dest="load_models", action="append", default=[],
         help="model to load at start in explicit mode (repeatable; '*' for all)")
@@ -83,6 +100,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings.http_thread_count, settings.http_server = args.http_thread_count, args.http_server
     settings.grpc_port, settings.grpc_address, settings.allow_grpc = args.grpc_port, args.grpc_address, args.allow_grpc
     settings.metrics_port, settings.allow_metrics = args.metrics_port, args.allow_metrics
+    settings.metrics_address, settings.metrics_interval_ms = args.metrics_address, args.metrics_interval_ms
+    settings.allow_cpu_metrics, settings.allow_gpu_metrics = args.allow_cpu_metrics, args.allow_gpu_metrics
+    settings.metrics_config = dict(args.metrics_config)
     settings.model_control_mode, settings.load_models = args.model_control_mode, args.load_models
     settings.strict_readiness, settings.exit_on_error = args.strict_readiness, args.exit_on_error
     settings.auto_complete_config, settings.backend_config = auto_complete, backend_config

@@ -21,8 +21,19 @@ class ServerSettings:
     """Reserved: the gRPC frontend binds here once it exists."""
     allow_grpc: bool = True
     metrics_port: int = 8002
-    """Reserved: the Prometheus endpoint binds here once it exists."""
+    """Port of the Prometheus endpoint (`GET /metrics`)."""
+    metrics_address: str = ""
+    """Address of the Prometheus endpoint; empty: --http-address when HTTP is on, else 0.0.0.0 (as Triton)."""
     allow_metrics: bool = True
+    allow_cpu_metrics: bool = True
+    """nv_cpu_utilization and nv_cpu_memory_*_bytes (read from /proc)."""
+    allow_gpu_metrics: bool = True
+    """Accepted for tritonserver compatibility; device families appear where a device can report them."""
+    metrics_interval_ms: float = 2000.0
+    """How often the per-interval metrics (CPU utilization and memory) are sampled."""
+    metrics_config: dict[str, str] = field(default_factory=dict)
+    """--metrics-config <key>=<value>: counter_latencies, summary_latencies, summary_quantiles,
+    histogram_latencies (Triton's keys)."""
     model_control_mode: str = "none"
     """none: load every model at start, refuse load/unload; explicit: load only --load-model, allow both."""
     load_models: list[str] = field(default_factory=list)
@@ -48,13 +59,15 @@ class ServerSettings:
         settings = cls()
         for item in fields(cls):
             raw = environ.get(_ENV_PREFIX + item.name.upper())
-            if raw is None or item.name == "backend_config":
+            if raw is None or item.name in ("backend_config", "metrics_config"):
                 continue
             current = getattr(settings, item.name)
             if isinstance(current, bool):
                 value: object = parse_bool(raw)
             elif isinstance(current, int):
                 value = int(raw)
+            elif isinstance(current, float):
+                value = float(raw)
             elif item.name == "model_repositories":
                 value = [Path(p) for p in raw.split(",") if p]
             elif isinstance(current, list):

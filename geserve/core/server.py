@@ -12,6 +12,8 @@ from geserve.core.dataplane import DataPlane
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.server import create_http_server
+from geserve.frontends.metrics import MetricsOptions, MetricsService
+from geserve.metrics import MetricsConfig
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.store import ModelStore
 from geserve.settings import ServerSettings
@@ -44,6 +46,7 @@ class Server:
             strict_readiness=settings.strict_readiness,
         )
         self._http = None
+        self.metrics = _metrics_service(settings, self.manager) if settings.allow_metrics else None
         self._stopped = asyncio.Event()
 
     async def load_initial_models(self) -> None:
@@ -67,7 +70,19 @@ class Server:
             raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
 
     async def start(self) -> None:
-        await self.load_initial_models()
+        if self.metrics is not None:
+            self.metrics.install_observers()
+        try:
+            await self.load_initial_models()
+            if self.metrics is not None:  # up before HTTP, so /metrics answers once the server is live
+                await self.metrics.start()
+            await self._start_http()
+        except BaseException:
+            if self.metrics is not None:
+                await self.metrics.stop()
+            raise
+
+    async def _start_http(self) -> None:
         if self.settings.allow_http:
             app = HttpFrontend(self.dataplane, self.settings.http_max_input_size)
             self._http = create_http_server(
@@ -91,6 +106,8 @@ class Server:
         if self._http is not None:
             self._http.should_exit = True
             await self._http_task
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.manager.shutdown()
         self._stopped.set()
 
@@ -103,3 +120,14 @@ class Server:
         await stop_requested.wait()
         logger.info("signal received, shutting down")
         await self.stop()
+
+
+def _metrics_service(settings: ServerSettings, manager: ModelManager) -> MetricsService:
+    try:
+        config = MetricsConfig.from_pairs(settings.metrics_config)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
+    options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms,
+                             settings.allow_cpu_metrics, config)
+    return MetricsService(manager, options)

@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
+
+from geserve.errors import ErrorCode
+
+# Triton's `reason` label of nv_inference_request_failure.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+_REASON_BY_CODE = {
+    ErrorCode.UNAVAILABLE: "REJECTED",  # a full queue, a queue timeout, a model that is unloading
+    ErrorCode.CANCELLED: "CANCELED",
+    ErrorCode.INTERNAL: "BACKEND",  # the backend failed to execute (e.g. ONNX Runtime raised)
+}
+
+
+def failure_reason(error: BaseException | None) -> str:
+    """The failure reason of `error`: its own `failure_reason` attribute when it carries one, else by code."""
+    explicit = getattr(error, "failure_reason", None)
+    if isinstance(explicit, str) and explicit in FAILURE_REASONS:
+        return explicit
+    code = getattr(error, "code", None)
+    return _REASON_BY_CODE.get(code, "OTHER") if isinstance(code, ErrorCode) else "OTHER"
+
+
+class LatencyObserver(Protocol):
+    """Per-request latency observations (for latency summaries / histograms); installed only when configured."""
+
+    def request(self, ok: bool, duration_ns: int) -> None: ...
+
+    def execution(
+        self, request_count: int, queue_ns: list[int], input_ns: int, infer_ns: int, output_ns: int
+    ) -> None: ...
 
 
 @dataclass(slots=True)
@@ -31,6 +62,10 @@ class BatchStats:
 class ModelStatistics:
     """Updated from worker threads and the event loop alike, so every update takes the lock."""
 
+    # Set by the metrics service when latency summaries or histograms are configured; None (the default)
+    # leaves `latency_observer` None, and the hot path pays one attribute test.
+    observer_factory: ClassVar[Callable[[], LatencyObserver] | None] = None
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.success = Duration()
@@ -43,12 +78,23 @@ class ModelStatistics:
         self.execution_count = 0
         self.last_inference_ms = 0
         self.batches: dict[int, BatchStats] = {}
+        self.fail_by_reason: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
+        factory = ModelStatistics.observer_factory
+        self.latency_observer: LatencyObserver | None = factory() if factory is not None else None
 
-    def record_request(self, ok: bool, duration_ns: int) -> None:
+    def record_request(self, ok: bool, duration_ns: int, reason: str | None = None) -> None:
+        """One request done. A failure's `reason` (FAILURE_REASONS) defaults to the reason of the exception
+        being handled, so a caller inside its `except` block need not pass it."""
+        why = "" if ok else reason or failure_reason(sys.exc_info()[1])
         with self._lock:
             (self.success if ok else self.fail).add(duration_ns)
             if ok:
                 self.last_inference_ms = int(time.time() * 1000)
+            else:
+                self.fail_by_reason[why] = self.fail_by_reason.get(why, 0) + 1
+        observer = self.latency_observer
+        if observer is not None:
+            observer.request(ok, duration_ns)
 
     def record_execution(
         self, request_count: int, batch_rows: int, queue_ns: list[int], input_ns: int, infer_ns: int, output_ns: int
@@ -66,6 +112,13 @@ class ModelStatistics:
             batch.compute_input.add(input_ns)
             batch.compute_infer.add(infer_ns)
             batch.compute_output.add(output_ns)
+        observer = self.latency_observer
+        if observer is not None:
+            observer.execution(request_count, queue_ns, input_ns, infer_ns, output_ns)
+
+    def failures_by_reason(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.fail_by_reason)
 
     def as_json(self, name: str, version: str) -> dict[str, Any]:
         with self._lock:

@@ -1,0 +1,121 @@
+"""The Prometheus endpoint: `GET /metrics` on --metrics-port, a tiny ASGI app on the server's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.registry import CollectorRegistry
+
+from geserve.core.statistics import ModelStatistics
+from geserve.frontends.http.native_server import NativeHttpServer
+from geserve.metrics import CONTENT_TYPE, MetricsConfig, build_registry, render
+from geserve.metrics.latency import LatencyRecorder
+from geserve.metrics.system import CpuSampler
+from geserve.repository.lifecycle import ModelManager
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_MAX_BODY = 64 * 1024
+
+
+class MetricsApp:
+    """Answers `GET /metrics` with the registry in Prometheus text format; 404 elsewhere."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/metrics":
+            await _respond(send, 404, b"text/plain", b"Not Found\n")
+        elif scope["method"] not in ("GET", "HEAD"):
+            await _respond(send, 405, b"text/plain", b"Method Not Allowed\n")
+        else:
+            body = render(self._registry)
+            await _respond(send, 200, CONTENT_TYPE.encode(), b"" if scope["method"] == "HEAD" else body, len(body))
+
+
+async def _respond(send: Send, status: int, content_type: bytes, body: bytes, length: int | None = None) -> None:
+    size = len(body) if length is None else length
+    headers = [(b"content-type", content_type), (b"content-length", str(size).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsOptions:
+    address: str = "0.0.0.0"
+    port: int = 8002
+    interval_ms: float = 2000.0
+    allow_cpu: bool = True
+    config: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+class MetricsService:
+    """The registry, the CPU sampler on its interval, and the endpoint; started and stopped with the server."""
+
+    def __init__(self, manager: ModelManager, options: MetricsOptions) -> None:
+        self.options = options
+        self._manager = manager
+        self._cpu = CpuSampler() if options.allow_cpu else None
+        if self._cpu is not None and not self._cpu.available:
+            logger.warning("CPU metrics are unavailable on this platform (no /proc)")
+            self._cpu = None
+        self.registry = build_registry(manager, options.config, self._cpu)
+        self._http: NativeHttpServer | None = None
+        self._http_task: asyncio.Task | None = None
+        self._sampler: asyncio.Task | None = None
+
+    def install_observers(self) -> None:
+        """Before models load: latency summaries / histograms need each model's per-request observations."""
+        config = self.options.config
+        if not config.observes_latencies:
+            return
+        ModelStatistics.observer_factory = lambda: LatencyRecorder(config)
+        for model in self._manager.models():
+            if model.statistics.latency_observer is None:
+                model.statistics.latency_observer = LatencyRecorder(config)
+
+    async def start(self) -> None:
+        """Bind the endpoint; a port that cannot be bound is logged and the server serves on without metrics."""
+        address, port = self.options.address, self.options.port
+        if self._cpu is not None:
+            self._cpu.sample()  # before the first scrape can arrive
+        http = NativeHttpServer(MetricsApp(self.registry), address, port, _MAX_BODY)
+        task = asyncio.create_task(http.serve(), name="metrics-http")
+        while not http.started and not task.done():
+            await asyncio.sleep(0.01)
+        if not http.started:
+            logger.error("failed to start the metrics service at %s:%d: %s; serving without /metrics",
+                         address, port, task.exception())
+            return
+        self._http, self._http_task = http, task
+        if self._cpu is not None:
+            self._sampler = asyncio.create_task(self._sample_cpu(), name="metrics-cpu-sampler")
+        logger.info("started Metrics Service at %s:%d", address, port)
+
+    async def _sample_cpu(self) -> None:
+        interval = max(self.options.interval_ms, 1.0) / 1000.0
+        while True:
+            await asyncio.sleep(interval)
+            if self._cpu is not None:
+                self._cpu.sample()
+
+    async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await self._http_task
+        self._http = self._http_task = self._sampler = None
+        if self.options.config.observes_latencies:
+            ModelStatistics.observer_factory = None
