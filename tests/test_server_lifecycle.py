@@ -231,3 +231,19 @@ def test_same_app_runs_on_uvicorn(good_repo: Path, tmp_path: Path) -> None:
         status, answer = _post(server.base + "/v2/models/simple/infer", body)
         assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [6] * 16
         assert _get(server.base + "/v2/models/nope")[0] == 404
+
+
+def test_busy_metrics_port_stops_start_up(good_repo: Path) -> None:
+    """As in Triton: a service that cannot bind its port is a start-up error, not a silent gap."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "geserve", "serve", "--model-repository", str(good_repo), "--http-port", "0",
+             "--metrics-address", "127.0.0.1", "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        )
+    assert result.returncode == 1 and "failed to start the metrics service" in result.stderr, result.stderr[-2000:]

@@ -84,7 +84,7 @@ class MetricsService:
                 model.statistics.latency_observer = LatencyRecorder(config)
 
     async def start(self) -> None:
-        """Bind the endpoint; a port that cannot be bound is logged and the server serves on without metrics."""
+        """Bind the endpoint; as in Triton, a port that cannot be bound stops the server from starting."""
         address, port = self.options.address, self.options.port
         if self._cpu is not None:
             self._cpu.sample()  # before the first scrape can arrive
@@ -93,9 +93,7 @@ class MetricsService:
         while not http.started and not task.done():
             await asyncio.sleep(0.01)
         if not http.started:
-            logger.error("failed to start the metrics service at %s:%d: %s; serving without /metrics",
-                         address, port, task.exception())
-            return
+            raise OSError(f"failed to start the metrics service at {address}:{port}: {task.exception()}")
         self._http, self._http_task = http, task
         if self._cpu is not None:
             self._sampler = asyncio.create_task(self._sample_cpu(), name="metrics-cpu-sampler")

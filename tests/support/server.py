@@ -24,6 +24,16 @@ class RunningServer:
     process: subprocess.Popen
     http_port: int
     log_path: Path
+    grpc_port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
     def url(self) -> str:
@@ -53,14 +63,16 @@ def _wait_live(server: RunningServer, timeout: float) -> None:
 
 
 def start_geserve(repos: Sequence[Path], log_path: Path, extra_args: Sequence[str] = ()) -> RunningServer:
-    http_port = free_port()
-    args = [sys.executable, "-m", "geserve", "serve", "--http-port", str(http_port)]
+    # Every server gets its own ports, so the suite's servers (and a developer's) never collide.
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    args = [sys.executable, "-m", "geserve", "serve", "--http-port", str(http_port),
+            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
     for repo in repos:
         args += ["--model-repository", str(repo)]
     args += list(extra_args)
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=dict(os.environ))
-    server = RunningServer(process, http_port, log_path)
+    server = RunningServer(process, http_port, log_path, grpc_port, metrics_port)
     try:
         _wait_live(server, 60)
     except Exception:
