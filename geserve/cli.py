@@ -47,10 +47,15 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest accepted request body in bytes (default 64 MiB)")
     add("--http-server", choices=["native", "uvicorn"], default="native",
         help="the HTTP server under the ASGI app (geserve's own lean one, or uvicorn)")
+    add("--inline-execution-us", type=int, default=250,
+        help="run executions typically shorter than this on the event loop (0: always on instance threads)")
     add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
-    add("--grpc-port", type=int, default=8001, help="reserved for the gRPC frontend")
+    add("--grpc-port", type=int, default=8001)
     add("--grpc-address", default="0.0.0.0")
     add("--allow-grpc", type=_bool, nargs="?", const=True, default=True)
+    add("--grpc-infer-allocation-pool-size", type=int, default=8, help="accepted for tritonserver compatibility")
+    add("--allow-system-shared-memory", type=_bool, nargs="?", const=True, default=False,
+        help="let clients register system shared memory regions for inputs and outputs (off by default)")
     add("--metrics-port", type=int, default=8002, help="port of the Prometheus endpoint (GET /metrics)")
     add("--metrics-address", default="",
         help="address of the Prometheus endpoint (default: --http-address when HTTP is on, else 0.0.0.0)")
@@ -98,6 +103,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     settings.http_port, settings.http_address = args.http_port, args.http_address
     settings.allow_http, settings.http_max_input_size = args.allow_http, args.http_max_input_size
     settings.http_thread_count, settings.http_server = args.http_thread_count, args.http_server
+    settings.inline_execution_us = args.inline_execution_us
+    settings.grpc_infer_allocation_pool_size = args.grpc_infer_allocation_pool_size
+    settings.allow_system_shared_memory = args.allow_system_shared_memory
     settings.grpc_port, settings.grpc_address, settings.allow_grpc = args.grpc_port, args.grpc_address, args.allow_grpc
     settings.metrics_port, settings.allow_metrics = args.metrics_port, args.allow_metrics
     settings.metrics_address, settings.metrics_interval_ms = args.metrics_address, args.metrics_interval_ms

@@ -18,8 +18,13 @@ class ServerSettings:
     allow_http: bool = True
     grpc_address: str = "0.0.0.0"
     grpc_port: int = 8001
-    """Reserved: the gRPC frontend binds here once it exists."""
+    """Port of the gRPC frontend (inference.GRPCInferenceService and grpc.health.v1.Health)."""
     allow_grpc: bool = True
+    grpc_infer_allocation_pool_size: int = 8
+    """Accepted for tritonserver compatibility; the gRPC frontend allocates per call."""
+    allow_system_shared_memory: bool = False
+    """Let clients register system shared memory regions (/dev/shm keys) for inputs and outputs. Off by default:
+    a registered key makes the server map, and write into, any shared memory object it can open."""
     metrics_port: int = 8002
     """Port of the Prometheus endpoint (`GET /metrics`)."""
     metrics_address: str = ""
@@ -49,6 +54,8 @@ class ServerSettings:
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
     http_server: str = "native"
     """native: geserve's lean HTTP/1.1 server (default); uvicorn: the same ASGI app on uvicorn."""
+    inline_execution_us: int = 250
+    """Executions typically shorter than this run on the event loop instead of an instance thread (0: never)."""
     http_thread_count: int = 0
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
 

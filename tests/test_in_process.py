@@ -13,7 +13,8 @@ from geserve import GeserveError, InferenceRequest, InputTensor, RequestedOutput
 
 def test_in_process_inference_and_shutdown(good_repo: Path) -> None:
     async def run() -> None:
-        server = Server(ServerSettings(model_repositories=[good_repo], allow_http=False, allow_metrics=False))
+        server = Server(ServerSettings(model_repositories=[good_repo], allow_http=False, allow_grpc=False,
+                                       allow_metrics=False))
         await server.start()
         assert server.dataplane.ready()
         a = np.arange(32, dtype=np.int32).reshape(2, 16)

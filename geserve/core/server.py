@@ -9,7 +9,10 @@ import signal
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
 from geserve.core.dataplane import DataPlane
+from geserve.core.runtime_settings import LogSettings
+from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.server import create_http_server
 from geserve.frontends.metrics import MetricsOptions, MetricsService
@@ -38,14 +41,18 @@ class Server:
         self.manager = ModelManager(
             self.store,
             BackendRegistry(settings.backend_config),
-            LifecycleOptions(settings.auto_complete_config, devices.default_instance_kind()),
+            LifecycleOptions(
+                settings.auto_complete_config, devices.default_instance_kind(), settings.inline_execution_us
+            ),
         )
         self.dataplane = DataPlane(
             self.manager,
             explicit_control=settings.model_control_mode == "explicit",
             strict_readiness=settings.strict_readiness,
         )
+        self.shared_memory = SharedMemoryRegistry(settings.allow_system_shared_memory)  # both frontends use it
         self._http = None
+        self._grpc: GrpcServer | None = None
         self.metrics = _metrics_service(settings, self.manager) if settings.allow_metrics else None
         self._stopped = asyncio.Event()
 
@@ -76,11 +83,22 @@ class Server:
             await self.load_initial_models()
             if self.metrics is not None:  # up before HTTP, so /metrics answers once the server is live
                 await self.metrics.start()
+            await self._start_grpc()  # before HTTP (as Triton), so gRPC answers once HTTP says live
             await self._start_http()
         except BaseException:
+            if self._grpc is not None:
+                await self._grpc.stop(0)
             if self.metrics is not None:
                 await self.metrics.stop()
             raise
+
+    async def _start_grpc(self) -> None:
+        if self.settings.allow_grpc:
+            options = GrpcOptions(self.settings.grpc_address, self.settings.grpc_port,
+                                  self.settings.grpc_infer_allocation_pool_size,
+                                  log_settings=LogSettings(self.settings.log_verbose))
+            self._grpc = GrpcServer(self.dataplane, self.shared_memory, options)
+            await self._grpc.start()
 
     async def _start_http(self) -> None:
         if self.settings.allow_http:
@@ -106,6 +124,9 @@ class Server:
         if self._http is not None:
             self._http.should_exit = True
             await self._http_task
+        if self._grpc is not None:
+            await self._grpc.stop()
+        self.shared_memory.close()
         if self.metrics is not None:
             await self.metrics.stop()
         await self.manager.shutdown()

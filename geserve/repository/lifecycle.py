@@ -43,6 +43,7 @@ class ModelRecord:
 class LifecycleOptions:
     auto_complete: bool = True
     default_instance_kind: int = devices.KIND_CPU
+    inline_execution_us: int = 0
 
 
 class ModelManager:
@@ -204,7 +205,7 @@ class ModelManager:
             instances = await asyncio.to_thread(backend.create_instances, config, source)
             labels = await asyncio.to_thread(_read_labels, config, model_dir)
             statistics = ModelStatistics()
-            pool = InstancePool(config.name, instances, statistics)
+            pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
             scheduler = create_scheduler(config, pool)
         except GeserveError as exc:
             logger.error("model '%s' version %d is unavailable: %s", config.name, version, exc.message)

@@ -159,7 +159,10 @@ def _create_session(
         dump_dir.mkdir(parents=True, exist_ok=True)
         session_options.enable_profiling = True
         session_options.profile_file_prefix = str(dump_dir / "profile")
-    for key, value in options.ort_config_entries.items():
+    # Idle intra-op threads spinning for work steal the cores the event loop and other instances need:
+    # on 2 cores it doubled the CPU per request of a small model. A model may turn it back on.
+    entries = {"session.intra_op.allow_spinning": "0", **options.ort_config_entries}
+    for key, value in entries.items():
         try:
             session_options.add_session_config_entry(key, value)
         except Exception as exc:
