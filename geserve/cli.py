@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from geserve.settings import ServerSettings, parse_bool
@@ -39,7 +40,7 @@ def _metrics_config(text: str) -> tuple[str, str]:
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model-repository", "--model-store", dest="model_repositories", action="append", type=Path,
-        required=True, help="path to a Triton model repository (repeatable)")
+        help="path to a Triton model repository (repeatable; or GESERVE_MODEL_REPOSITORIES)")
     add("--http-port", type=int, default=8000)
     add("--http-address", default="0.0.0.0")
     add("--allow-http", type=_bool, nargs="?", const=True, default=True)
@@ -87,34 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"geserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_serve_arguments(commands.add_parser("serve", help="serve Triton model repositories", allow_abbrev=False))
+    serve = commands.add_parser("serve", help="serve Triton model repositories", allow_abbrev=False)
+    _add_serve_arguments(serve)
+    for action in serve._actions:  # an option not given must not hide a GESERVE_* variable
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Defaults and GESERVE_* variables first; then only the options given on the command line."""
     settings = ServerSettings.from_env()
-    backend_config: dict[str, dict[str, str]] = {}
-    for backend, key, value in args.backend_config:
-        backend_config.setdefault(backend, {})[key] = value
-    auto_complete = not args.disable_auto_complete_config
-    if args.strict_model_config is not None:
-        auto_complete = auto_complete and not args.strict_model_config
-    settings.model_repositories = args.model_repositories
-    settings.http_port, settings.http_address = args.http_port, args.http_address
-    settings.allow_http, settings.http_max_input_size = args.allow_http, args.http_max_input_size
-    settings.http_thread_count, settings.http_server = args.http_thread_count, args.http_server
-    settings.inline_execution_us = args.inline_execution_us
-    settings.grpc_infer_allocation_pool_size = args.grpc_infer_allocation_pool_size
-    settings.allow_system_shared_memory = args.allow_system_shared_memory
-    settings.grpc_port, settings.grpc_address, settings.allow_grpc = args.grpc_port, args.grpc_address, args.allow_grpc
-    settings.metrics_port, settings.allow_metrics = args.metrics_port, args.allow_metrics
-    settings.metrics_address, settings.metrics_interval_ms = args.metrics_address, args.metrics_interval_ms
-    settings.allow_cpu_metrics, settings.allow_gpu_metrics = args.allow_cpu_metrics, args.allow_gpu_metrics
-    settings.metrics_config = dict(args.metrics_config)
-    settings.model_control_mode, settings.load_models = args.model_control_mode, args.load_models
-    settings.strict_readiness, settings.exit_on_error = args.strict_readiness, args.exit_on_error
-    settings.auto_complete_config, settings.backend_config = auto_complete, backend_config
-    settings.log_verbose = args.log_verbose
+    given = vars(args)
+    for name in {f.name for f in fields(ServerSettings)} & given.keys() - {"backend_config", "metrics_config"}:
+        setattr(settings, name, given[name])
+    for backend, key, value in given.get("backend_config", []):
+        settings.backend_config.setdefault(backend, {})[key] = value
+    if "metrics_config" in given:
+        settings.metrics_config = dict(given["metrics_config"])
+    if given.get("disable_auto_complete_config") or given.get("strict_model_config"):
+        settings.auto_complete_config = False
     return settings
 
 
@@ -129,8 +122,9 @@ def _install_event_loop_policy() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)
+    quiet = not getattr(args, "log_info", True)
     logging.basicConfig(
-        level=logging.DEBUG if settings.log_verbose else (logging.INFO if args.log_info else logging.WARNING),
+        level=logging.DEBUG if settings.log_verbose else (logging.WARNING if quiet else logging.INFO),
         format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
     )
     from geserve.core.server import Server, StartupError

@@ -247,3 +247,20 @@ def test_busy_metrics_port_stops_start_up(good_repo: Path) -> None:
             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
         )
     assert result.returncode == 1 and "failed to start the metrics service" in result.stderr, result.stderr[-2000:]
+
+
+def test_environment_sets_what_the_command_line_leaves_out(good_repo: Path) -> None:
+    from geserve.cli import build_parser, settings_from_args
+
+    environment = {"GESERVE_HTTP_PORT": "9123", "GESERVE_STRICT_READINESS": "false"}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in environment.items():
+            patch.setenv(key, value)
+        settings = settings_from_args(build_parser().parse_args(
+            ["serve", "--model-repository", str(good_repo), "--grpc-port", "7001"]
+        ))
+        assert (settings.http_port, settings.grpc_port, settings.strict_readiness) == (9123, 7001, False)
+        settings = settings_from_args(build_parser().parse_args(
+            ["serve", "--model-repository", str(good_repo), "--http-port", "8000"]
+        ))
+        assert settings.http_port == 8000  # the command line wins
