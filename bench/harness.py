@@ -48,8 +48,14 @@ RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples" / "model_repository"
 CONCURRENCIES = (1, 4, 16)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-SYSTEMS = {"geserve": "geserve", "triton": "Triton", "triton_db": "Triton + dynamic batching"}
-PROTOCOLS = ("http",)  # add "grpc" once geserve serves it (see endpoints())
+SYSTEMS = {
+    "geserve": "geserve",
+    "geserve_db": "geserve + dynamic batching",
+    "triton": "Triton",
+    "triton_db": "Triton + dynamic batching",
+}
+PROTOCOLS = ("http", "grpc")
+DB_SUFFIX = "_db"  # geserve serves each model twice: as configured, and with `dynamic_batching {}` added
 NUMPY_TYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32}
 BUSY_LIMIT = 0.15  # share of the CPUs used by other processes above which a measurement is redone
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -78,6 +84,8 @@ class Endpoint:
     system: str  # a SYSTEMS key
     protocol: str  # perf_analyzer -i
     url: str  # host:port
+    http_url: str = ""  # host:port of the same server's HTTP endpoint (warm-up, version)
+    model_suffix: str = ""
 
     @property
     def key(self) -> str:
@@ -195,7 +203,7 @@ def raw_in_child(model_dir: Path, budget_s: float) -> RawResult:
 def perf_analyzer_args(endpoint: Endpoint, model: str, concurrency: int, window_ms: int, stability: int,
                        mode: Mode, csv_path: Path) -> list[str]:
     return [
-        "-m", model, "-u", endpoint.url, "-i", endpoint.protocol,
+        "-m", model + endpoint.model_suffix, "-u", endpoint.url, "-i", endpoint.protocol,
         "--concurrency-range", str(concurrency),
         "--measurement-interval", str(window_ms),
         "--stability-percentage", str(stability),
@@ -283,24 +291,31 @@ def wait_for_quiet(max_wait_s: float) -> bool:
 
 
 def model_repository(models: list[str], dest: Path) -> Path:
-    """A repository holding only the benchmarked models (symlinks to examples/model_repository)."""
+    """The benchmarked models as configured (symlinks), and each again with dynamic batching turned on."""
     dest.mkdir(parents=True, exist_ok=True)
     for model in models:
         (dest / model).symlink_to(EXAMPLES / model, target_is_directory=True)
+        batched = dest / (model + DB_SUFFIX)
+        batched.mkdir()
+        for item in (EXAMPLES / model).iterdir():
+            if item.name not in ("config.pbtxt", ".stamp"):
+                (batched / item.name).symlink_to(item, target_is_directory=item.is_dir())
+        config = load_config(EXAMPLES / model)
+        config.name = model + DB_SUFFIX
+        config.dynamic_batching.SetInParent()
+        (batched / "config.pbtxt").write_text(text_format.MessageToString(config))
     return dest
 
 
 @contextmanager
-def triton(repo: Path, log_path: Path, commands: dict[str, list[str]], name: str) -> Iterator[str]:
-    """The real tritonserver on ``repo``; yields host:port of its HTTP endpoint."""
-    port = reference.free_port()
-    process = reference.start_reference_triton(
-        repo, port, reference.free_port(), reference.free_port(), log_path
-    )
+def triton(repo: Path, log_path: Path, commands: dict[str, list[str]], name: str) -> Iterator[dict[str, str]]:
+    """The real tritonserver on ``repo``; yields host:port of its HTTP and gRPC endpoints."""
+    port, grpc_port = reference.free_port(), reference.free_port()
+    process = reference.start_reference_triton(repo, port, grpc_port, reference.free_port(), log_path)
     commands[name] = [str(a) for a in process.args]  # type: ignore[union-attr]
     try:
         reference.wait_ready(f"http://127.0.0.1:{port}", 120, process=process, log_path=log_path)
-        yield f"127.0.0.1:{port}"
+        yield {"http": f"127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
     finally:
         reference.stop_process(process)
 
@@ -313,22 +328,27 @@ def start_servers(stack: ExitStack, models: list[str], tmp: Path, commands: dict
     )
     commands["geserve"] = [str(a) for a in server.process.args]  # type: ignore[union-attr]
     os.environ[reference.ORT_THREADS_ENV] = str(threads_per_instance(1))  # the same threads as geserve
-    urls = {"geserve": {"http": f"127.0.0.1:{server.http_port}"}}
+    served = {"http": f"127.0.0.1:{server.http_port}", "grpc": f"127.0.0.1:{server.grpc_port}"}
+    urls = {"geserve": served, "geserve_db": served}
     for system, batching in (("triton", False), ("triton_db", True)):
         repo = reference.build_python_backend_repository(EXAMPLES, tmp / system, models, dynamic_batching=batching)
-        url = stack.enter_context(triton(repo, RESULTS / f"harness.{system}.log", commands, system))
-        urls[system] = {"http": url}
+        urls[system] = stack.enter_context(triton(repo, RESULTS / f"harness.{system}.log", commands, system))
     return endpoints(urls)
 
 
 def endpoints(urls: dict[str, dict[str, str]]) -> list[Endpoint]:
-    return [Endpoint(system, protocol, urls[system][protocol])
-            for system in SYSTEMS for protocol in PROTOCOLS if protocol in urls[system]]
+    return [
+        Endpoint(system, protocol, urls[system][protocol], urls[system]["http"],
+                 DB_SUFFIX if system == "geserve_db" else "")
+        for system in SYSTEMS for protocol in PROTOCOLS
+        if protocol in urls[system] and (protocol == "http" or not system.endswith("_db"))  # gRPC: one each
+    ]
 
 
 def warm_up(endpoint: Endpoint, model: str, config: model_config_pb2.ModelConfig) -> None:
     """A few sequential requests so first-call costs (ONNX Runtime warm-up) stay out of the windows."""
-    client = httpclient.InferenceServerClient(endpoint.url)
+    client = httpclient.InferenceServerClient(endpoint.http_url or endpoint.url)
+    model += endpoint.model_suffix
     try:
         inputs = []
         for name, value in random_inputs(config, 1).items():
@@ -486,6 +506,7 @@ def check_targets(summary: Summary, models: list[str]) -> list[tuple[str, bool |
             detail = f"{g16.throughput:.0f} vs {t16.throughput:.0f} infer/s = {ratio(g16.throughput, t16.throughput)}" \
                 if g16 and t16 else "not measured"
             targets.append((f"MLP throughput at c=16 at least 2x {SYSTEMS[system]}", ok, detail))
+    targets += batching_targets(summary, models) + grpc_targets(summary, models)
     if "resnet50" in models:
         g16 = served_point(summary, "resnet50", "geserve", 16)
         best, best_tput = summary.raw_best["resnet50"]
@@ -494,6 +515,50 @@ def check_targets(summary: Summary, models: list[str]) -> list[tuple[str, bool |
                         f"{g16.throughput:.1f} vs {best_tput:.1f} (b={best}) = {ratio(g16.throughput, best_tput)}"
                         if g16 else "not measured"))
     return targets
+
+
+def _target(description: str, value: float | None, bound: float, detail: str) -> tuple[str, bool | None, str]:
+    return description, None if value is None else value >= bound, detail if value is not None else "not measured"
+
+
+def batching_targets(summary: Summary, models: list[str]) -> list[tuple[str, bool | None, str]]:
+    """Issue 4: what dynamic batching must buy."""
+    targets = []
+    if "mlp" in models:
+        db, plain = served_point(summary, "mlp", "geserve_db", 16), served_point(summary, "mlp", "geserve", 16)
+        tdb = served_point(summary, "mlp", "triton_db", 16)
+        value = db.throughput / plain.throughput if db and plain else None
+        targets.append(_target("MLP c=16: geserve with dynamic batching at least 1.5x without", value, 1.5,
+                               f"{ratio(db and db.throughput, plain and plain.throughput)}"))
+        value = db.throughput / tdb.throughput if db and tdb else None
+        targets.append(_target("MLP c=16: geserve with dynamic batching at least 2x Triton with it", value, 2.0,
+                               f"{ratio(db and db.throughput, tdb and tdb.throughput)}"))
+        db1, plain1 = served_point(summary, "mlp", "geserve_db", 1), served_point(summary, "mlp", "geserve", 1)
+        value = (plain1.p50_us + 20) / db1.p50_us if db1 and plain1 else None
+        targets.append(_target("MLP c=1, delay 0: no added latency from the batcher (within 20 µs)", value, 1.0,
+                               f"p50 {db1 and db1.p50_us:.0f} vs {plain1 and plain1.p50_us:.0f} µs" if db1 else ""))
+    for model in ("resnet50", "efficientnet_lite0"):
+        if model in models:
+            db = served_point(summary, model, "geserve_db", 16)
+            best, best_tput = summary.raw_best[model]
+            value = db.throughput / best_tput if db else None
+            targets.append(_target(f"{model} c=16 with dynamic batching at least 0.95x raw at its best batch",
+                                   value, 0.95, f"{ratio(db and db.throughput, best_tput)} (raw best b={best})"))
+    return targets
+
+
+def grpc_targets(summary: Summary, models: list[str]) -> list[tuple[str, bool | None, str]]:
+    """Issue 5: gRPC as fast as Triton's, and within 25% of geserve's own HTTP."""
+    if "mlp" not in models:
+        return []
+    g, t = served_point(summary, "mlp", "geserve", 16, "grpc"), served_point(summary, "mlp", "triton", 16, "grpc")
+    h = served_point(summary, "mlp", "geserve", 16)
+    return [
+        _target("MLP c=16 gRPC: geserve at least Triton", g.throughput / t.throughput if g and t else None, 1.0,
+                ratio(g and g.throughput, t and t.throughput)),
+        _target("MLP c=16 gRPC within 25% of geserve HTTP", g.throughput / h.throughput if g and h else None, 0.75,
+                ratio(g and g.throughput, h and h.throughput)),
+    ]
 
 
 def target_lines(targets: list[tuple[str, bool | None, str]]) -> list[str]:
@@ -512,7 +577,7 @@ def versions() -> dict[str, str]:
 
 
 def triton_version(endpoint: Endpoint) -> str:
-    with urllib.request.urlopen(f"http://{endpoint.url}/v2", timeout=5) as response:
+    with urllib.request.urlopen(f"http://{endpoint.http_url or endpoint.url}/v2", timeout=5) as response:
         return str(json.load(response).get("version", "?"))
 
 
