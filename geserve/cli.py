@@ -1,4 +1,4 @@
-"""`geserve serve ...` command line: tritonserver's flag spellings, parsed into ServerSettings."""
+"""`geserve serve | compile` command line: tritonserver's and atc's flag spellings, parsed into settings."""
 
 from __future__ import annotations
 
@@ -82,6 +82,27 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-info", type=_bool, nargs="?", const=True, default=True)
 
 
+def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", type=Path, required=True, help="model.onnx, a PyTorch .pt, a TensorFlow SavedModel/.pb, or a .gem")
+    add("--output", type=Path, help="the compiled model to write (.gem)")
+    add("--info", action="store_true", help="print the manifest of the .gem given as --model (like atc --mode=6)")
+    add("--framework", choices=["onnx", "pytorch", "tensorflow"], help="default: from the file name")
+    add("--input-shape", help='"name:d0,d1,...;name2:..." with -1 for a dynamic dimension')
+    add("--dynamic-batch-size", help="batch gears, e.g. 1,2,4,8 (the batcher pads batches up to one)")
+    add("--out-nodes", help="comma-separated tensors (or node names) to cut the graph at")
+    add("--precision-mode", default="force_fp32",
+        choices=["force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp16", "allow_mix_precision"])
+    add("--keep-io-types", default="true", help="keep FP32 inputs/outputs when converting to FP16 (default true)")
+    add("--quantize", choices=["none", "int8"], default="none")
+    add("--calibration-data", type=Path, help="folder of .npy/.npz calibration batches for --quantize int8")
+    add("--insert-op-conf", type=Path, help="AIPP-style preprocessing JSON to fold into the graph")
+    add("--target", choices=["cpu", "cuda", "npu"], default="cpu")
+    add("--encrypt-key-file", type=Path, help="encrypt with AES-256-GCM using this 32-byte (or 64-hex) key")
+    add("--no-optimize", action="store_true", help="skip ONNX Runtime's graph optimization")
+    add("--quiet", action="store_true", help="no progress lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="geserve", description="Triton-compatible inference server", allow_abbrev=False
@@ -93,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     for action in serve._actions:  # an option not given must not hide a GESERVE_* variable
         if action.dest != "help":
             action.default = argparse.SUPPRESS
+    _add_compile_arguments(
+        commands.add_parser("compile", help="compile a model into a .gem package (atc)", allow_abbrev=False)
+    )
     return parser
 
 
@@ -121,6 +145,10 @@ def _install_event_loop_policy() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "compile":
+        from geserve.compiler.command import run
+
+        return run(args)
     settings = settings_from_args(args)
     quiet = not getattr(args, "log_info", True)
     logging.basicConfig(

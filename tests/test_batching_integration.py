@@ -74,3 +74,14 @@ def test_single_request_with_no_delay_is_not_held(tmp_path: Path) -> None:
         assert _infer(server, "nodelay", 3, rows=2) == [6] * 32
         stats = _stats(server, "nodelay")
         assert stats["execution_count"] == 1 and stats["inference_count"] == 2
+
+
+def test_adaptive_batching_model_loads_and_serves(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    models.simple(repo, "adaptive", extra="dynamic_batching { }\n"
+                  'parameters { key: "adaptive_batching_target_p99_ms" value: { string_value: "5" } }')
+    with geserve([repo], tmp_path / "log") as server:
+        with ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(lambda v: _infer(server, "adaptive", v), range(16)))
+        assert outputs == [[2 * v] * 16 for v in range(16)]

@@ -15,6 +15,11 @@ Read the tables as the spec. Deliberate differences are named where they are ass
   nanosecond timings, and the two config fields newer than the `model_config.proto` geserve is built on;
 - the order of `outputs` in a response (Triton's follows its backend; clients look outputs up by name).
 
+Both serve system shared memory (geserve behind `--allow-system-shared-memory`): two regions, `in` (holding the
+inputs the shared memory cases read) and `out`, are registered on both servers at the start, over HTTP.
+Settings type errors that Triton answers with 500 geserve answers with 400, as for inference; a trace level other
+than OFF, which Triton accepts once a trace file is set, geserve refuses (it does not trace).
+
 All six models serve under Triton's Python backend; for `identity_bytes` the generated model stringifies BYTES
 values (`b'...'`), which `unmangle` undoes before comparing. Not sent: classification of a BYTES output, which
 crashes Triton 2.51.
@@ -23,15 +28,20 @@ crashes Triton 2.51.
 from __future__ import annotations
 
 import ast
+import base64
 import functools
 import gzip
 import http.client
 import json
+import mmap
+import os
 import struct
 import time
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -109,10 +119,30 @@ def send(base: str, method: str, path: str, body: bytes | None = None, headers: 
         connection.close()
 
 
+class Region:
+    """A POSIX shared memory object, as tritonclient.utils.shared_memory creates it."""
+
+    def __init__(self, size: int) -> None:
+        self.key = f"/geserve-conf-{uuid.uuid4().hex[:12]}"
+        self.path = Path("/dev/shm") / self.key[1:]
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.memory = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.memory.close()
+        self.path.unlink(missing_ok=True)
+
+
 @dataclass(frozen=True)
 class Servers:
     triton: str
     geserve: str
+    shm_in: Region
+    shm_out: Region
 
     def both(
         self, method: str, path: str, body: bytes | dict | list | None = None, headers: dict[str, str] | None = None
@@ -139,17 +169,26 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     # Both boot at once: Triton in the background while geserve starts.
     port = free_port()
     triton = start_reference_triton(python_repo, port, free_port(), free_port(), root / "triton.log")
+    regions = (Region(256), Region(256))
+    regions[0].memory[:SHM_IN_SIZE] = SHM_IN
     try:
-        server = start_geserve([source], root / "geserve.log")
+        server = start_geserve([source], root / "geserve.log", ["--allow-system-shared-memory=true"])
         try:
             triton_url = f"http://127.0.0.1:{port}"
             wait_ready(triton_url, process=triton, log_path=root / "triton.log")
             wait_ready(server.base, process=server.process, log_path=root / "geserve.log")
-            yield Servers(triton_url, server.base)
+            servers = Servers(triton_url, server.base, *regions)
+            for name, region in (("in", regions[0]), ("out", regions[1])):
+                path = f"/v2/systemsharedmemory/region/{name}/register"
+                replies = servers.both("POST", path, {"key": region.key, "offset": 0, "byte_size": 256})
+                assert [(r.status, r.body) for r in replies] == [(200, b"")] * 2, replies
+            yield servers
         finally:
             stop_geserve(server)
     finally:
         stop_process(triton)
+        for region in regions:
+            region.close()
 
 
 # --------------------------------------------------------------------------------- request builders
@@ -198,6 +237,18 @@ def digits_json(count: int = 2, **extra: Any) -> dict:
 
 NOBATCH_IN = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], dtype=np.float32)
 BYTES_ITEMS = [b"hello", b"", "\u00e9t\u00e9".encode()]
+# The `in` region: INPUT0 and INPUT1 of `simple` at 0 and 64, BYTES_ITEMS (length-prefixed) at 128.
+SHM_BYTES = b"".join(struct.pack("<I", len(v)) + v for v in BYTES_ITEMS)
+SHM_IN = A.tobytes() + B.tobytes() + SHM_BYTES
+SHM_IN_SIZE = len(SHM_IN)
+
+
+def shm(region: str, size: int, offset: int = 0) -> dict:
+    """The parameters placing a tensor in a registered shared memory region."""
+    parameters: dict[str, Any] = {"shared_memory_region": region, "shared_memory_byte_size": size}
+    if offset:
+        parameters["shared_memory_offset"] = offset
+    return parameters
 
 
 # ----------------------------------------------------------------------------------- decoding replies
@@ -446,6 +497,46 @@ REFUSALS = [
     Refusal("method-infer-put", "PUT", "/v2/models/simple/infer", 405, NOT_ALLOWED, {}),
     Refusal("method-all-stats", "POST", "/v2/models/stats", 405, NOT_ALLOWED),
     Refusal("method-repository-index", "GET", "/v2/repository/index", 405, NOT_ALLOWED),
+    # shared memory, logging and trace settings
+    Refusal("shm-status-unknown", "GET", "/v2/systemsharedmemory/region/nope/status", 404,
+            "Unable to find system shared memory region: 'nope'"),
+    Refusal("shm-register-twice", "POST", "/v2/systemsharedmemory/region/in/register", 400,
+            "shared memory region 'in' already in manager", {"key": "/whatever", "byte_size": 8}),
+    Refusal("shm-register-no-key", "POST", "/v2/systemsharedmemory/region/x/register", 400,
+            "Shared memory register request has no 'key' field", {"offset": 0, "byte_size": 8}),
+    Refusal("shm-register-no-byte-size", "POST", "/v2/systemsharedmemory/region/x/register", 400,
+            "Shared memory register request has no 'byte_size' field", {"key": "/whatever"}),
+    Refusal("shm-register-missing-key", "POST", "/v2/systemsharedmemory/region/x/register", 500,
+            "Unable to open shared memory region: '/geserve-no-such-key'", {"key": "/geserve-no-such-key",
+                                                                            "byte_size": 8}),
+    Refusal("cuda-shm-status-unknown", "GET", "/v2/cudasharedmemory/region/x/status", 404,
+            "Unable to find cuda shared memory region: 'x'"),
+    Refusal("cuda-shm-register-no-handle", "POST", "/v2/cudasharedmemory/region/x/register", 400,
+            "Shared memory register request has no 'raw_handle' field", {"device_id": 0, "byte_size": 8}),
+    Refusal("cuda-shm-register-without-gpu", "POST", "/v2/cudasharedmemory/region/x/register", 400,
+            "failed to register shared memory region: invalid args",
+            {"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "device_id": 0, "byte_size": 8}),
+    Refusal("log-format-invalid", "POST", "/v2/logging", 503, "invalid argument for --log_format, got: bad",
+            {"log_format": "bad"}),
+    Refusal("log-file", "POST", "/v2/logging", 501, "log file location can not be updated through network protocol",
+            {"log_file": ""}),
+    Refusal("trace-rate-not-a-number", "POST", "/v2/trace/setting", 400, "Unable to parse 'trace_rate', got: x",
+            {"trace_rate": "x"}),
+    Refusal("trace-unknown-model", "GET", "/v2/models/nope/trace/setting", 400, "Request for unknown model : nope"),
+    Refusal("trace-update-unknown-model", "POST", "/v2/models/nope/trace/setting", 400,
+            "Request for unknown model : nope", {}),
+    Refusal("route-shm", "GET", "/v2/systemsharedmemory", 404, NOT_FOUND),
+    Refusal("route-shm-region", "GET", "/v2/systemsharedmemory/region/in", 404, NOT_FOUND),
+    Refusal("route-shm-register-no-name", "POST", "/v2/systemsharedmemory/region//register", 404, NOT_FOUND,
+            {"key": "/whatever", "byte_size": 8}),
+    Refusal("route-trace", "GET", "/v2/trace", 404, NOT_FOUND),
+    Refusal("route-trace-version", "GET", "/v2/models/simple/versions/1/trace/setting", 404, NOT_FOUND),
+    Refusal("method-shm-status", "POST", "/v2/systemsharedmemory/status", 405, NOT_ALLOWED),
+    Refusal("method-shm-register", "GET", "/v2/systemsharedmemory/region/in/register", 405, NOT_ALLOWED),
+    Refusal("method-shm-unregister", "GET", "/v2/systemsharedmemory/unregister", 405, NOT_ALLOWED),
+    Refusal("method-cuda-shm-unregister", "GET", "/v2/cudasharedmemory/unregister", 405, NOT_ALLOWED),
+    Refusal("method-logging", "PUT", "/v2/logging", 405, NOT_ALLOWED),
+    Refusal("method-trace", "PUT", "/v2/trace/setting", 405, NOT_ALLOWED),
 ]
 
 
@@ -474,6 +565,91 @@ def test_repository_index_bad_body_triton_500_geserve_400(servers: Servers, body
     assert (triton.status, geserve.status) == (500, 400)
     assert geserve.content_type == triton.content_type == JSON_CT
     triton.error(), geserve.error()
+
+
+SETTINGS_PARSE_ERRORS = [
+    ("log-verbose-boolean", "/v2/logging", {"log_verbose_level": True},
+     "attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ("log-verbose-negative", "/v2/logging", {"log_verbose_level": -1},
+     "attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ("log-info-string", "/v2/logging", {"log_info": "x"}, "attempt to access JSON non-boolean as boolean"),
+    ("log-no-body", "/v2/logging", b"", None),
+    ("trace-rate-number", "/v2/trace/setting", {"trace_rate": 5}, "attempt to access JSON non-string as string"),
+    ("trace-level-not-array", "/v2/trace/setting", {"trace_level": "OFF"}, "attempt to access JSON non-array as array"),
+    ("trace-malformed-json", "/v2/trace/setting", b"{bad", None),
+    ("shm-register-byte-size-string", "/v2/systemsharedmemory/region/x/register", {"key": "/k", "byte_size": "8"},
+     "attempt to access JSON non-unsigned-integer as unsigned-integer"),
+    ("shm-register-key-number", "/v2/systemsharedmemory/region/x/register", {"key": 5, "byte_size": 8},
+     "attempt to access JSON non-string as string"),
+    ("shm-register-no-body", "/v2/systemsharedmemory/region/x/register", b"", None),
+]
+
+
+@pytest.mark.parametrize("case", SETTINGS_PARSE_ERRORS, ids=[c[0] for c in SETTINGS_PARSE_ERRORS])
+def test_settings_parse_error_triton_500_geserve_400(servers: Servers, case: tuple) -> None:
+    _, path, body, message = case
+    triton, geserve = servers.both("POST", path, body)
+    assert (triton.status, geserve.status) == (500, 400), (triton.body, geserve.body)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    if message is None:
+        prefix = "failed to parse the request JSON buffer: "
+        assert triton.error().startswith(prefix) and geserve.error().startswith(prefix)
+    else:
+        assert triton.error() == message, "the reference changed: update the expected text"
+        assert geserve.error() == message
+
+
+def _same_json(triton: Reply, geserve: Reply) -> Any:
+    assert (triton.status, geserve.status) == (200, 200), (triton.body, geserve.body)
+    assert geserve.content_type == triton.content_type == JSON_CT
+    assert geserve.body == triton.body  # the same keys, in the same order, with the same values
+    return geserve.json()
+
+
+def test_shared_memory_status_and_unregistering_unknown_regions(servers: Servers) -> None:
+    regions = _same_json(*servers.both("GET", "/v2/systemsharedmemory/status"))
+    assert [r["name"] for r in regions] == ["in", "out"]
+    assert _same_json(*servers.both("GET", "/v2/systemsharedmemory/region/out/status")) == regions[1:]
+    assert _same_json(*servers.both("GET", "/v2/cudasharedmemory/status")) == []
+    for path in ("/v2/systemsharedmemory/region/nope/unregister", "/v2/cudasharedmemory/region/nope/unregister",
+                 "/v2/cudasharedmemory/unregister"):
+        triton, geserve = servers.both("POST", path)
+        assert (triton.status, triton.content_type, triton.body) == (200, JSON_CT, b"")
+        assert (geserve.status, geserve.content_type, geserve.body) == (200, JSON_CT, b"")
+
+
+def test_logging_settings(servers: Servers) -> None:
+    settings = _same_json(*servers.both("GET", "/v2/logging"))
+    assert settings["log_verbose_level"] == 0
+    for body in ({}, [1], {"unknown": 1}):
+        assert _same_json(*servers.both("POST", "/v2/logging", body)) == settings
+    try:
+        changed = _same_json(*servers.both("POST", "/v2/logging", {"log_info": False, "log_format": "ISO8601"}))
+        assert changed == {**settings, "log_info": False, "log_format": "ISO8601"}
+        assert _same_json(*servers.both("GET", "/v2/logging")) == changed
+    finally:
+        restored = _same_json(*servers.both("POST", "/v2/logging", {"log_info": True, "log_format": "default"}))
+    assert restored == settings
+
+
+def test_trace_settings(servers: Servers) -> None:
+    defaults = _same_json(*servers.both("GET", "/v2/trace/setting"))
+    assert defaults["trace_level"] == ["OFF"]
+    assert _same_json(*servers.both("GET", "/v2/models/simple/trace/setting")) == defaults
+    for body in ({}, {"bogus": 5}, {"trace_level": ["OFF"]}):
+        assert _same_json(*servers.both("POST", "/v2/trace/setting", body)) == defaults
+    try:
+        rate = _same_json(*servers.both("POST", "/v2/trace/setting", {"trace_rate": "10"}))
+        assert rate == {**defaults, "trace_rate": "10"}
+        count = _same_json(*servers.both("POST", "/v2/models/simple/trace/setting", {"trace_count": "3"}))
+        assert count == {**rate, "trace_count": "3"}
+        assert _same_json(*servers.both("GET", "/v2/models/simple/trace/setting")) == count
+        assert _same_json(*servers.both("GET", "/v2/trace/setting")) == rate
+        cleared = _same_json(*servers.both("POST", "/v2/models/simple/trace/setting", {"trace_count": None}))
+        assert cleared == rate
+    finally:
+        restored = _same_json(*servers.both("POST", "/v2/trace/setting", {"trace_rate": None}))
+    assert restored == defaults
 
 
 # ------------------------------------------------------------------------------ inference that works
@@ -538,6 +714,17 @@ def _inputs(*tensors: dict, **extra: Any) -> dict:
 
 def _with_outputs(*outputs: dict, **extra: Any) -> dict:
     return simple_json(outputs=list(outputs), **extra)
+
+
+def _shm_simple(in_size: int = 64, in_offset: int = 64, *outputs: dict) -> dict:
+    """`simple` with both inputs read from the `in` region (INPUT1's window as given)."""
+    inputs = [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "parameters": shm("in", 64)},
+              {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "parameters": shm("in", in_size, in_offset)}]
+    return {"inputs": inputs, **({"outputs": list(outputs)} if outputs else {})}
+
+
+_SHM_OUT = ({"name": "OUTPUT0", "parameters": shm("out", 64)}, {"name": "OUTPUT1", "parameters": shm("out", 64, 64)})
+_SHM_BYTES_IN = {"name": "INPUT0", "shape": [1, 3], "datatype": "BYTES", "parameters": shm("in", len(SHM_BYTES), 128)}
 
 
 INFERS = [
@@ -628,6 +815,13 @@ INFERS = [
                                           "parameters": {"binary_data_size": 8}}],
                               "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]},
             _FP16.tobytes(), expected={"OUTPUT0": _FP16}, id="fp16-binary"),
+    Infer("shm-inputs-json-outputs", "simple", _shm_simple(), expected=_BOTH),
+    Infer("shm-inputs-binary-output", "simple",
+          _shm_simple(64, 64, {"name": "OUTPUT1", "parameters": {"binary_data": True}}),
+          expected={"OUTPUT1": _DIFF[None]}),
+    Infer("shm-input-and-json-input", "simple", _inputs(_shm_simple()["inputs"][0], simple_json()["inputs"][1]),
+          expected=_BOTH),
+    Infer("shm-bytes-input", "identity_bytes", _inputs(_SHM_BYTES_IN), expected={"OUTPUT0": _BYTES_ARRAY}),
 ]
 
 
@@ -637,6 +831,22 @@ def test_inference(servers: Servers, case: Infer) -> None:
     triton, geserve = servers.both("POST", case.url, body, case.headers)
     header = assert_same_outputs(triton, geserve, case.expected)
     assert header.get("id") == (body.get("id") if isinstance(body, dict) else None)
+
+
+def test_shared_memory_outputs(servers: Servers) -> None:
+    """Outputs written into the `out` region, each server in turn; the response names and shapes them, no data."""
+    replies = []
+    for base in (servers.triton, servers.geserve):
+        servers.shm_out.memory[:128] = bytes(128)
+        body = json.dumps(_shm_simple(64, 64, *_SHM_OUT)).encode()
+        replies.append(send(base, "POST", "/v2/models/simple/infer", body))
+        written = np.frombuffer(servers.shm_out.memory, np.int32, 32).reshape(2, 16)
+        np.testing.assert_array_equal(written, np.stack([_SUM, _DIFF]))
+    triton, geserve = replies
+    assert _same_json(triton, geserve)["outputs"] == [
+        {"name": "OUTPUT0", "datatype": "INT32", "shape": [1, 16]},
+        {"name": "OUTPUT1", "datatype": "INT32", "shape": [1, 16]},
+    ]
 
 
 def test_digits_outputs_are_the_classifier_answers(servers: Servers) -> None:
@@ -704,6 +914,10 @@ def _bytes_bin(shape: list[int], id: str) -> Bad:
 
 
 _BAD_INT32 = "Unable to parse 'data': attempt to access JSON non-signed-integer as signed-integer"
+_SHM_IN0 = _shm_simple()["inputs"][0]
+_ONLY_ONE = ("Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+             "'shared_memory_region' in 'parameters'. But set {} 'shared_memory_region'")
+_NOT_UNSIGNED = "Unable to parse '{}': attempt to access JSON non-unsigned-integer as unsigned-integer"
 
 BADS = [
     Bad("unknown-model", "nope", simple_json(), 404, "Request for unknown model: 'nope' is not found"),
@@ -813,6 +1027,40 @@ BADS = [
         _with_outputs({"name": "OUTPUT0", "parameters": {"classification": -1}}), triton_status=500),
     Bad("string-classification-triton-500-geserve-400", "simple",
         _with_outputs({"name": "OUTPUT0", "parameters": {"classification": "2"}}), triton_status=500),
+    # shared memory
+    Bad("shm-unknown-region", "simple", _inputs({**_SHM_IN0, "parameters": shm("nope", 64)}, _IN1), 404,
+        "Unable to find shared memory region: 'nope'"),
+    Bad("shm-output-unknown-region", "simple", _with_outputs({"name": "OUTPUT0", "parameters": shm("nope", 64)}), 404,
+        "Unable to find shared memory region: 'nope'"),
+    Bad("shm-window-past-region", "simple", _shm_simple(64, 200), 400,
+        "Invalid offset + byte size for shared memory region: 'in'"),
+    Bad("shm-byte-size-missing", "simple", _inputs({**_SHM_IN0, "parameters": {"shared_memory_region": "in"}}, _IN1),
+        400, "Invalid offset + byte size for shared memory region: 'in'"),
+    Bad("shm-byte-size-not-shape", "simple", _shm_simple(60), 400,
+        _rid("input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60")),
+    Bad("shm-output-too-small", "simple", _shm_simple(64, 64, {"name": "OUTPUT0", "parameters": shm("out", 60)}),
+        500, "shared memory size specified with the request for output 'OUTPUT0' (60 bytes) should be at least 64 "
+             "bytes to hold the results"),
+    Bad("shm-bytes-output-too-small", "identity_bytes",
+        _inputs(_SHM_BYTES_IN, outputs=[{"name": "OUTPUT0", "parameters": shm("out", 4)}]), 500,
+        same_prefix="shared memory size specified with the request for output 'OUTPUT0' (4 bytes) should be at least"),
+    Bad("shm-and-data", "simple", _inputs({**_IN0, "parameters": shm("in", 64)}, _IN1), 400,
+        _ONLY_ONE.format("'data'")),
+    Bad("shm-and-binary-data-size", "simple",
+        _inputs({**_SHM_IN0, "parameters": {**shm("in", 64), "binary_data_size": 64}}, _IN1), 400,
+        _ONLY_ONE.format("'binary_data_size'")),
+    Bad("shm-output-binary-data", "simple",
+        _shm_simple(64, 64, {"name": "OUTPUT0", "parameters": {**shm("out", 64), "binary_data": True}}), 400,
+        "Output can't set both 'shared_memory_region' and 'binary_data'"),
+    Bad("shm-byte-size-string-triton-500-geserve-400", "simple",
+        _inputs({**_SHM_IN0, "parameters": {**shm("in", 64), "shared_memory_byte_size": "64"}}, _IN1),
+        triton_status=500, message=_NOT_UNSIGNED.format("shared_memory_byte_size")),
+    Bad("shm-negative-offset-triton-500-geserve-400", "simple",
+        _inputs({**_SHM_IN0, "parameters": shm("in", 64, -4)}, _IN1),
+        triton_status=500, message=_NOT_UNSIGNED.format("shared_memory_offset")),
+    Bad("shm-region-not-string-triton-500-geserve-400", "simple",
+        _inputs({**_SHM_IN0, "parameters": {**shm("in", 64), "shared_memory_region": 5}}, _IN1), triton_status=500,
+        message="Unable to parse 'shared_memory_region': attempt to access JSON non-string as string"),
 ]
 
 

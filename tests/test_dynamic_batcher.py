@@ -293,16 +293,19 @@ def test_settings_follow_triton_normalization() -> None:
         BatcherSettings.from_config(config)
 
 
-def test_adaptive_controller_doubles_under_target_and_halves_above() -> None:
+def test_adaptive_controller_halves_above_target_and_grows_back_below() -> None:
     controller = AdaptiveController(target_p99_ms=10, max_batch_size=16, max_delay_ns=1_000_000)
-    for _ in range(4):
-        controller.decide(2_000_000)
-    assert controller.batch_limit == 16 and controller.delay_ns == 0
-    controller.decide(2_000_000)
-    assert controller.delay_ns > 0
+    assert (controller.batch_limit, controller.delay_ns) == (16, 0)
+    controller.decide(2_000_000, mean_batch=1.0)
+    assert controller.delay_ns == 0  # lone requests: waiting would only add latency
+    controller.decide(2_000_000, mean_batch=4.0)
+    assert controller.delay_ns > 0  # requests share batches: a little waiting fills them
     controller.decide(20_000_000)
     assert controller.delay_ns < 1_000_000
     while controller.delay_ns:
         controller.decide(20_000_000)
     controller.decide(20_000_000)
     assert controller.batch_limit == 8
+    for _ in range(3):
+        controller.decide(2_000_000)
+    assert controller.batch_limit == 16

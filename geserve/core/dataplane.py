@@ -15,13 +15,18 @@ from geserve.types import InferenceRequest, InferenceResponse
 from geserve.version import __version__
 
 SERVER_NAME = "geserve"
+# In Triton's order. Both frontends serve system shared memory (refused unless --allow-system-shared-memory, yet
+# listed, as Triton lists it), trace and logging settings; CUDA shared memory is not claimed: no region can exist.
 EXTENSIONS = [
     "classification",
     "model_repository",
     "model_configuration",
+    "system_shared_memory",
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "trace",
+    "logging",
 ]
 
 

@@ -9,7 +9,7 @@ import signal
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
 from geserve.core.dataplane import DataPlane
-from geserve.core.runtime_settings import LogSettings
+from geserve.core.runtime_settings import LogSettings, TraceSettings
 from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
@@ -50,7 +50,10 @@ class Server:
             explicit_control=settings.model_control_mode == "explicit",
             strict_readiness=settings.strict_readiness,
         )
-        self.shared_memory = SharedMemoryRegistry(settings.allow_system_shared_memory)  # both frontends use it
+        # One of each for both frontends: a region registered or a setting changed over one shows over the other.
+        self.shared_memory = SharedMemoryRegistry(settings.allow_system_shared_memory)
+        self.log_settings = LogSettings(settings.log_verbose)
+        self.trace_settings = TraceSettings()
         self._http = None
         self._grpc: GrpcServer | None = None
         self.metrics = _metrics_service(settings, self.manager) if settings.allow_metrics else None
@@ -96,13 +99,14 @@ class Server:
         if self.settings.allow_grpc:
             options = GrpcOptions(self.settings.grpc_address, self.settings.grpc_port,
                                   self.settings.grpc_infer_allocation_pool_size,
-                                  log_settings=LogSettings(self.settings.log_verbose))
+                                  log_settings=self.log_settings, trace_settings=self.trace_settings)
             self._grpc = GrpcServer(self.dataplane, self.shared_memory, options)
             await self._grpc.start()
 
     async def _start_http(self) -> None:
         if self.settings.allow_http:
-            app = HttpFrontend(self.dataplane, self.settings.http_max_input_size)
+            app = HttpFrontend(self.dataplane, self.settings.http_max_input_size, self.shared_memory,
+                               self.log_settings, self.trace_settings)
             self._http = create_http_server(
                 app,
                 self.settings.http_address,

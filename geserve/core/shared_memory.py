@@ -120,7 +120,8 @@ class SharedMemoryRegistry:
         region = self._regions.get(name)
         if region is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.status.byte_size:
+        end = offset + byte_size  # an empty window at 0 is refused too: Triton's unsigned `offset + size - 1` wraps
+        if offset < 0 or byte_size < 0 or end > region.status.byte_size or end == 0:
             raise InvalidArgumentError(f"Invalid offset + byte size for shared memory region: '{name}'")
         return region.view[offset : offset + byte_size]
 

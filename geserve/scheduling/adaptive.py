@@ -1,7 +1,8 @@
 """Adaptive batching: tunes the batch limit and queue delay from measured latencies to hold a p99 target.
 
-The strategy of the Ascend deployment guides, made continuous: while the p99 of recent requests is under
-the target, double the batch limit (then the delay); above it, halve them. What no anchor server has.
+The strategy of the Ascend deployment guides, made continuous: above the target, halve the queue delay, then
+the batch limit; below 80% of it, double the batch limit back, then grow the delay, but only while
+requests really share batches (a delay never helps a lone request: at concurrency 1 it stays 0).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 _WINDOW = 256  # latencies per decision
 _MIN_INTERVAL_NS = 200_000_000  # at most five decisions a second
 _HEADROOM = 0.8  # grow only while p99 is below 80% of the target
+_SHARED_BATCHES = 1.5  # mean rows per execution above which waiting can fill batches
 
 
 class AdaptiveController:
@@ -21,25 +23,30 @@ class AdaptiveController:
         self.max_batch_size = max_batch_size
         # The configured delay is the ceiling; without one, allow up to a quarter of the target.
         self.max_delay_ns = max_delay_ns or self.target_ns // 4
-        self.batch_limit = 1
+        self.batch_limit = max_batch_size
         self.delay_ns = 0
         self.last_p99_ns = 0
         self._samples: list[int] = []
+        self._executions = 0
         self._last_decision = time.monotonic_ns()
 
     def observe(self, latencies_ns: list[int]) -> None:
+        """The end-to-end latencies of the requests of one execution."""
         self._samples.extend(latencies_ns)
+        self._executions += 1
         now = time.monotonic_ns()
         if len(self._samples) < _WINDOW and now - self._last_decision < _MIN_INTERVAL_NS:
             return
         if len(self._samples) < 8:
             return
         self.last_p99_ns = int(np.percentile(self._samples, 99))
+        mean_batch = len(self._samples) / max(1, self._executions)
         self._samples.clear()
+        self._executions = 0
         self._last_decision = now
-        self.decide(self.last_p99_ns)
+        self.decide(self.last_p99_ns, mean_batch)
 
-    def decide(self, p99_ns: int) -> None:
+    def decide(self, p99_ns: int, mean_batch: float = 2.0) -> None:
         if p99_ns > self.target_ns:
             if self.delay_ns:
                 self.delay_ns //= 2
@@ -48,5 +55,5 @@ class AdaptiveController:
         elif p99_ns < self.target_ns * _HEADROOM:
             if self.batch_limit < self.max_batch_size:
                 self.batch_limit = min(self.max_batch_size, self.batch_limit * 2)
-            elif self.delay_ns < self.max_delay_ns:
+            elif mean_batch >= _SHARED_BATCHES and self.delay_ns < self.max_delay_ns:
                 self.delay_ns = min(self.max_delay_ns, max(50_000, self.delay_ns * 2))

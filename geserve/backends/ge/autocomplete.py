@@ -8,6 +8,8 @@ from pathlib import Path
 import onnx
 from tritonclient.grpc import model_config_pb2
 
+from geserve.compiler.errors import CompilerError
+from geserve.compiler.package import is_package, read_manifest
 from geserve.config import ModelConfig
 from geserve.errors import InvalidArgumentError
 from geserve.types.datatypes import BY_WIRE, ONNX_TO_WIRE
@@ -22,6 +24,8 @@ class GraphTensor:
 
 def read_signature(model_path: Path) -> tuple[list[GraphTensor], list[GraphTensor]]:
     """The graph's real inputs (initializers excluded) and outputs, without loading external weights."""
+    if is_package(model_path):
+        return _package_signature(model_path)
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError, OSError, ... for a broken file
@@ -29,6 +33,19 @@ def read_signature(model_path: Path) -> tuple[list[GraphTensor], list[GraphTenso
     initializers = {init.name for init in model.graph.initializer}
     inputs = [_tensor(v, model_path) for v in model.graph.input if v.name not in initializers]
     outputs = [_tensor(v, model_path) for v in model.graph.output]
+    return inputs, outputs
+
+
+def _package_signature(path: Path) -> tuple[list[GraphTensor], list[GraphTensor]]:
+    """A compiled model's signature, from its clear-text manifest (no key needed)."""
+    try:
+        manifest = read_manifest(path)
+    except CompilerError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    inputs, outputs = (
+        [GraphTensor(name, ONNX_TO_WIRE[t["onnx_type"]], tuple(t["shape"])) for name, t in tensors.items()]
+        for tensors in (manifest.inputs, manifest.outputs)
+    )
     return inputs, outputs
 
 

@@ -11,6 +11,7 @@ import onnxruntime as ort
 from geserve import devices
 from geserve.backends.base import BackendSettings, ModelSource
 from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_signature
+from geserve.backends.ge.compiled import apply_gears, compile_on_load, find_package, load_graph, wants_compile
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
 from geserve.config import ModelConfig
@@ -28,13 +29,17 @@ _OPTIMIZATION_LEVELS = {
 
 
 def model_path(config: ModelConfig, source: ModelSource) -> Path:
-    """Triton's onnxruntime layout: `<version>/model.onnx`, a file or a folder holding `model.onnx`."""
+    """Triton's onnxruntime layout: `<version>/model.onnx`, a file or a folder holding `model.onnx`;
+    or a compiled `<version>/model.gem`; or the compile cache's entry when compile_* parameters ask for one."""
+    package = find_package(source.version_dir, config.default_model_filename)
+    if package is not None:
+        return package
     path = source.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
     if path.is_dir():
         path = path / DEFAULT_MODEL_FILENAME
     if not path.is_file():
         raise InvalidArgumentError(f"model file {path} not found for model '{config.name}'")
-    return path
+    return compile_on_load(config, path, source.model_dir) if wants_compile(config) else path
 
 
 class GeBackend:
@@ -49,20 +54,24 @@ class GeBackend:
         return self._settings.get_int("default-max-batch-size", 4)
 
     def auto_complete_config(self, config: ModelConfig, source: ModelSource) -> None:
-        auto_complete(config, model_path(config, source), self.default_max_batch_size)
+        path = model_path(config, source)
+        auto_complete(config, path, self.default_max_batch_size)
+        apply_gears(config, path)
 
     def create_instances(self, config: ModelConfig, source: ModelSource) -> list[GeInstance]:
         options = parse_ge_options(config)
         if options.accelerator is None and "execution_accelerators" in self._settings.values:
             options.accelerator = self._settings.values["execution_accelerators"].strip().lower() or None
         path = model_path(config, source)
+        apply_gears(config, path)
         layout = _layout(config, path)
+        graph = load_graph(path, self._settings.values.get("model-key-file"))
         placements = _placements(config, options)
         threads = options.intra_op_threads or devices.threads_per_instance(len(placements))
         instances: list[GeInstance] = []
         for name, kind, device_id in placements:
             target = devices.resolve_target(kind, device_id, options.accelerator)
-            session = _create_session(path, config, options, target, threads, source)
+            session = _create_session(path, graph, config, options, target, threads, source)
             instances.append(GeInstance(name, session, layout, target.device))
         logger.info(
             "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
@@ -132,6 +141,7 @@ def _tensor_layout(config, tensor, graph: list[GraphTensor], kind: str, path: Pa
 
 def _create_session(
     path: Path,
+    graph: Path | bytes,
     config: ModelConfig,
     options: GeOptions,
     target: devices.ExecutionTarget,
@@ -169,7 +179,7 @@ def _create_session(
             raise InvalidArgumentError(f"parameter 'ort.{key}' was refused by onnxruntime: {exc}") from None
     try:
         return ort.InferenceSession(
-            str(path),
+            graph if isinstance(graph, bytes) else str(graph),
             session_options,
             providers=[name for name, _ in target.providers],
             provider_options=[opts for _, opts in target.providers],

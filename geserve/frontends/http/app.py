@@ -11,8 +11,16 @@ from typing import Any
 import orjson
 
 from geserve.core.dataplane import DataPlane
-from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnsupportedError
-from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
+from geserve.core.runtime_settings import LogSettings, TraceSettings
+from geserve.core.shared_memory import SharedMemoryRegistry
+from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
+from geserve.frontends.http.codec import (
+    OutputPlacementError,
+    RequestParseError,
+    decode_infer_request,
+    encode_infer_response,
+    parse_json,
+)
 from geserve.frontends.http.status import HTTP_STATUS
 
 logger = logging.getLogger(__name__)
@@ -25,6 +33,17 @@ _JSON = b"application/json"
 _TEXT = b"text/plain"
 _OCTETS = b"application/octet-stream"
 _MODEL_ACTIONS = {"": "GET", "ready": "GET", "config": "GET", "stats": "GET", "infer": "POST"}
+_SHM_ACTIONS = {"status": "GET", "register": "POST", "unregister": "POST"}
+# Triton's HTTP wording for a setting of the wrong JSON type (its parser's; it answers them with 500, geserve 400).
+_JSON_TYPE_ERRORS = {
+    bool: "attempt to access JSON non-boolean as boolean",
+    int: "attempt to access JSON non-unsigned-integer as unsigned-integer",
+    str: "attempt to access JSON non-string as string",
+}
+_LOG_TYPES = {"log_file": str, "log_info": bool, "log_warning": bool, "log_error": bool, "log_verbose_level": int,
+              "log_format": str}
+# Triton's order; trace_level is an array on the wire, the others single strings
+_TRACE_KEYS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
 
 Response = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]
 
@@ -42,7 +61,7 @@ class UnsupportedEncoding(UnsupportedError):
 
 
 # Triton answers these from its HTTP layer with a text/plain content type (the body is still JSON).
-_PLAIN_TEXT_ERRORS = (HeaderLengthError, UnsupportedEncoding)
+_PLAIN_TEXT_ERRORS = (HeaderLengthError, UnsupportedEncoding, OutputPlacementError)
 
 
 class ClientDisconnected(Exception):
@@ -50,9 +69,20 @@ class ClientDisconnected(Exception):
 
 
 class HttpFrontend:
-    def __init__(self, dataplane: DataPlane, max_input_size: int) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        max_input_size: int,
+        shared_memory: SharedMemoryRegistry | None = None,
+        log_settings: LogSettings | None = None,
+        trace_settings: TraceSettings | None = None,
+    ) -> None:
+        """The registry and settings objects are the server's, shared with the gRPC frontend."""
         self._dataplane = dataplane
         self._max_input_size = max_input_size
+        self._shm = shared_memory if shared_memory is not None else SharedMemoryRegistry(False)
+        self._log = log_settings if log_settings is not None else LogSettings()
+        self._trace = trace_settings if trace_settings is not None else TraceSettings()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -108,13 +138,86 @@ class HttpFrontend:
                 if method != "POST":
                     return _not_allowed()
                 return await self._repository_action(parts[3], parts[4], receive, headers)
+        if group in ("systemsharedmemory", "cudasharedmemory"):
+            return await self._shm_route(group, method, parts[2:], receive, headers)
+        if parts[1:] == ["logging"]:
+            if method == "GET":
+                return _json(self._log.get())
+            if method != "POST":
+                return _not_allowed()
+            return _json(self._log.update(_log_changes(parse_json(await self._read_body(receive, headers)))))
+        if parts[1:] == ["trace", "setting"]:
+            return await self._trace_setting("", method, receive, headers)
         return _not_found()
+
+    async def _shm_route(
+        self, group: str, method: str, rest: list[str], receive: Receive, headers: dict[bytes, bytes]
+    ) -> Response:
+        """`rest` follows /v2/{system,cuda}sharedmemory/: [region/{name}/]status|unregister, region/{name}/register."""
+        name = ""
+        if len(rest) == 3 and rest[0] == "region" and rest[1]:
+            name, rest = rest[1], rest[2:]
+        action = rest[0] if len(rest) == 1 else ""
+        if _SHM_ACTIONS.get(action) is None or (action == "register" and not name):
+            return _not_found()
+        if method != _SHM_ACTIONS[action]:
+            return _not_allowed()
+        cuda = group == "cudasharedmemory"
+        if action == "status":
+            if cuda:
+                if name:  # no GPU, so never a CUDA region: Triton's answers on such a machine
+                    raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
+                return _json([])
+            return _json([
+                {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                for r in self._shm.status(name)
+            ])
+        if action == "unregister":
+            if not cuda:
+                self._shm.unregister(name)
+            return 200, b"", _JSON, []
+        options = parse_json(await self._read_body(receive, headers))
+        options = options if isinstance(options, dict) else {}
+        if cuda:
+            if "raw_handle" not in options:
+                raise InvalidArgumentError("Shared memory register request has no 'raw_handle' field")
+            raise InvalidArgumentError("failed to register shared memory region: invalid args")
+        for field in ("key", "byte_size"):
+            if field not in options:
+                raise InvalidArgumentError(f"Shared memory register request has no '{field}' field")
+        key, offset, byte_size = options["key"], options.get("offset", 0), options["byte_size"]
+        if not isinstance(key, str):
+            raise RequestParseError(_JSON_TYPE_ERRORS[str])
+        if not all(type(v) is int and v >= 0 for v in (offset, byte_size)):
+            raise RequestParseError(_JSON_TYPE_ERRORS[int])
+        self._shm.register(name, key, offset, byte_size)
+        return 200, b"", _JSON, []
+
+    async def _trace_setting(
+        self, model: str, method: str, receive: Receive, headers: dict[bytes, bytes]
+    ) -> Response:
+        if method not in ("GET", "POST"):
+            return _not_allowed()
+        if model:
+            try:
+                self._dataplane.model(model)
+            except NotFoundError:
+                raise InvalidArgumentError(f"Request for unknown model : {model}") from None
+        values = self._trace.get(model)
+        if method == "POST":
+            changes = _trace_changes(parse_json(await self._read_body(receive, headers)))
+            if changes:
+                values = self._trace.update(changes, model)
+        ordered = {k: values[k] for k in _TRACE_KEYS if k in values}
+        return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
     async def _model_route(
         self, method: str, parts: list[str], receive: Receive, headers: dict[bytes, bytes]
     ) -> Response:
         """`parts` follow /v2/models/: {name}[/versions/{digits}][/ready|/config|/stats|/infer]."""
         name, version, rest = parts[0], "", parts[1:]
+        if rest == ["trace", "setting"] and name:
+            return await self._trace_setting(name, method, receive, headers)
         if rest[:1] == ["versions"]:
             if len(rest) < 2 or not rest[1].isdigit():
                 return _not_found()
@@ -175,9 +278,9 @@ class HttpFrontend:
                 ) from None
             if not 0 <= length <= len(body):
                 raise HeaderLengthError(f"inference header size should be in range (0, {len(body)}), got: {length}")
-        request = decode_infer_request(body, length, name, version, model if length == 0 else None)
+        request = decode_infer_request(body, length, name, version, model if length == 0 else None, shm=self._shm)
         response = await self._dataplane.infer(request)
-        parts, json_length = encode_infer_response(response, request)
+        parts, json_length = encode_infer_response(response, request, shm=self._shm)
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
         extra: list[tuple[bytes, bytes]] = []
         content_type = _JSON
@@ -213,6 +316,47 @@ class HttpFrontend:
         if encoding:
             body = _decompress(body, encoding.strip().lower(), limit)
         return body
+
+
+def _log_changes(body: Any) -> dict[str, Any]:
+    """A logging request's changes, type-checked with Triton's HTTP messages (a non-object changes nothing)."""
+    if not isinstance(body, dict):
+        return {}
+    changes = {k: v for k, v in body.items() if k in _LOG_TYPES}
+    for key, value in changes.items():
+        expected = _LOG_TYPES[key]
+        if type(value) is not expected or (expected is int and value < 0):
+            raise RequestParseError(_JSON_TYPE_ERRORS[expected])
+    if "log_file" in changes:
+        raise UnsupportedError("log file location can not be updated through network protocol")
+    log_format = changes.get("log_format")
+    if log_format is not None and log_format not in ("default", "ISO8601"):
+        raise UnavailableError(f"invalid argument for --log_format, got: {log_format}")  # sic: Triton's 503
+    return changes
+
+
+def _trace_changes(body: Any) -> dict[str, list[str]]:
+    """A trace setting request's changes: `trace_level` an array of strings, the others a string; null clears."""
+    if not isinstance(body, dict):
+        return {}
+    changes: dict[str, list[str]] = {}
+    for key in _TRACE_KEYS[:-1]:  # trace_mode is fixed at start-up: Triton ignores a change
+        if key not in body:
+            continue
+        value = body[key]
+        if value is None:
+            changes[key] = []
+        elif key == "trace_level":
+            if not isinstance(value, list):
+                raise RequestParseError("attempt to access JSON non-array as array")
+            if not all(isinstance(v, str) for v in value):
+                raise RequestParseError(_JSON_TYPE_ERRORS[str])
+            changes[key] = value
+        elif isinstance(value, str):
+            changes[key] = [value]
+        else:
+            raise RequestParseError(_JSON_TYPE_ERRORS[str])
+    return changes
 
 
 def _too_large(size: int, limit: int) -> str:

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from geserve.errors import InvalidArgumentError
+from geserve.core.shared_memory import SharedMemoryRegistry
+from geserve.errors import InternalError, InvalidArgumentError, NotFoundError
 from geserve.repository.model import LoadedModel
 from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
 
@@ -23,10 +24,16 @@ _LENGTH = struct.Struct("<I")
 _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "fiu", "V": "fiu"}
 _NOT_BOOLEAN = "Unable to parse '{}': attempt to access JSON non-boolean as boolean"
 _KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats", "U": "strings"}
+_SHM = "shared_memory_region"
+_NOT_UNSIGNED = "Unable to parse '{}': attempt to access JSON non-unsigned-integer as unsigned-integer"
 
 
 class RequestParseError(InvalidArgumentError):
     """The body is not a well-formed request (Triton answers these with 500; geserve with 400)."""
+
+
+class OutputPlacementError(InternalError):
+    """An output does not fit the shared memory the request gave it (Triton: 500, found after inference)."""
 
 
 def parse_json(body: bytes | memoryview, what: str = "request") -> Any:
@@ -40,9 +47,13 @@ def parse_json(body: bytes | memoryview, what: str = "request") -> Any:
 
 
 def decode_infer_request(
-    body: bytes, header_length: int | None, model_name: str, version: str, raw_model: LoadedModel | None
+    body: bytes, header_length: int | None, model_name: str, version: str, raw_model: LoadedModel | None,
+    *, shm: SharedMemoryRegistry | None = None,
 ) -> InferenceRequest:
-    """`header_length` None: the body is all JSON; 0: the body is one raw input (`raw_model` must be set)."""
+    """`header_length` None: the body is all JSON; 0: the body is one raw input (`raw_model` must be set).
+
+    Tensors whose parameters name a `shared_memory_region` are read from (inputs) or checked against (outputs)
+    `shm`, the server's registered regions."""
     if header_length == 0:
         assert raw_model is not None
         return _decode_raw(body, model_name, version, raw_model)
@@ -66,7 +77,7 @@ def decode_infer_request(
     offset = header_length
     inputs = []
     for item in items:
-        tensor, offset = _decode_input(item, body, offset)
+        tensor, offset = _decode_input(item, body, offset, header, model_name, shm)
         inputs.append(tensor)
     if offset != len(body):
         raise RequestParseError(
@@ -88,13 +99,15 @@ def decode_infer_request(
             raise RequestParseError("Unable to parse 'outputs': expected an array")
         wanted: dict[str, RequestedOutput] = {}
         for item in outputs:
-            output = _decode_output(item)
+            output = _decode_output(item, shm)
             wanted.setdefault(output.name, output)  # a name asked twice is returned once
         request.outputs = list(wanted.values())
     return request
 
 
-def _decode_input(item: Any, body: bytes, offset: int) -> tuple[InputTensor, int]:
+def _decode_input(
+    item: Any, body: bytes, offset: int, header: dict, model: str, shm: SharedMemoryRegistry | None
+) -> tuple[InputTensor, int]:
     if not isinstance(item, dict):
         raise RequestParseError("Unable to parse 'inputs': each input must be a JSON object")
     try:
@@ -116,6 +129,16 @@ def _decode_input(item: Any, body: bytes, offset: int) -> tuple[InputTensor, int
         count *= dim
     parameters = item.get("parameters") or {}
     size = parameters.get("binary_data_size")
+    if parameters and _SHM in parameters:
+        given = [k for k, present in (("'data'", "data" in item), ("'binary_data_size'", size is not None)) if present]
+        if given:
+            raise InvalidArgumentError(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+                f"'shared_memory_region' in 'parameters'. But set {' '.join(given)} 'shared_memory_region'"
+            )
+        view = _registry(shm, parameters[_SHM]).read(*_shm_location(parameters))
+        data = _shm_input(name, datatype.wire, datatype.numpy, shape_t, count, view, header, model)
+        return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
     if size is not None:
         if not isinstance(size, int) or size < 0 or offset + size > len(body):
             raise RequestParseError(
@@ -138,6 +161,43 @@ def _decode_input(item: Any, body: bytes, offset: int) -> tuple[InputTensor, int
             raise RequestParseError(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
         data = _json_to_array(name, item["data"], datatype.wire, datatype.numpy, count).reshape(shape_t)
     return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
+
+
+def _shm_location(parameters: dict[str, Any]) -> tuple[str, int, int]:
+    """(region, offset, byte_size) of a tensor placed in shared memory; no `byte_size` means 0 (Triton)."""
+    region = parameters[_SHM]
+    if not isinstance(region, str):
+        raise RequestParseError(f"Unable to parse '{_SHM}': attempt to access JSON non-string as string")
+    values = []
+    for key in ("shared_memory_offset", "shared_memory_byte_size"):
+        value = parameters.get(key, 0)
+        if type(value) is not int or value < 0:
+            raise RequestParseError(_NOT_UNSIGNED.format(key))
+        values.append(value)
+    return region, values[0], values[1]
+
+
+def _registry(shm: SharedMemoryRegistry | None, region: Any) -> SharedMemoryRegistry:
+    if shm is None:
+        raise NotFoundError(f"Unable to find shared memory region: '{region}'")
+    return shm
+
+
+def _shm_input(
+    name: str, wire: str, dtype: np.dtype, shape: tuple[int, ...], count: int, view: memoryview, header: dict,
+    model: str,
+) -> np.ndarray:
+    """An input's array straight over its shared memory window (BYTES elements are copied out)."""
+    if wire == "BYTES":
+        return _decode_bytes(name, view, count).reshape(shape)
+    expected = count * dtype.itemsize
+    if view.nbytes != expected:
+        request_id = header.get("id")
+        raise InvalidArgumentError(
+            f"[request id: {request_id if isinstance(request_id, str) and request_id else '<id_unknown>'}] "
+            f"input byte size mismatch for input '{name}' for model '{model}'. Expected {expected}, got {view.nbytes}"
+        )
+    return np.frombuffer(view, dtype=dtype, count=count).reshape(shape)
 
 
 def _json_to_array(name: str, data: Any, wire: str, dtype: np.dtype, count: int) -> np.ndarray:
@@ -228,15 +288,21 @@ def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
     request.parameters = parameters
 
 
-def _decode_output(item: Any) -> RequestedOutput:
+def _decode_output(item: Any, shm: SharedMemoryRegistry | None) -> RequestedOutput:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise RequestParseError("Unable to parse 'outputs': each output needs a 'name'")
     parameters = item.get("parameters") or {}
     classification = parameters.get("classification")
     if classification is not None and (not isinstance(classification, int) or isinstance(classification, bool)):
         raise InvalidArgumentError(f"'classification' of output '{item['name']}' must be an integer")
-    if not isinstance(parameters.get("binary_data", False), bool):
+    binary = parameters.get("binary_data", False)
+    if not isinstance(binary, bool):
         raise RequestParseError(_NOT_BOOLEAN.format("binary_data"))
+    if parameters and _SHM in parameters:
+        if binary:  # tritonclient sends `binary_data: false` with every output it places in shared memory
+            raise InvalidArgumentError("Output can't set both 'shared_memory_region' and 'binary_data'")
+        # The region must exist and hold the window now: Triton checks before inference.
+        _registry(shm, parameters[_SHM]).read(*_shm_location(parameters))
     return RequestedOutput(item["name"], parameters)
 
 
@@ -294,21 +360,30 @@ def _decode_raw(body: bytes, model_name: str, version: str, model: LoadedModel) 
 
 
 def encode_infer_response(
-    response: InferenceResponse, request: InferenceRequest
+    response: InferenceResponse, request: InferenceRequest, *, shm: SharedMemoryRegistry | None = None
 ) -> tuple[list[bytes | memoryview], int | None]:
-    """The body parts and, when any output travels as binary, the JSON header's length."""
+    """The body parts and, when any output travels as binary, the JSON header's length.
+
+    An output the request placed in shared memory is written into its region and answered with no data."""
     # Outputs the request names follow their own `binary_data` (default JSON) and ignore `binary_data_output`,
     # which only applies when the request names no outputs: Triton's rule, which tritonclient relies on.
     binary_default = bool(request.parameters.get("binary_data_output", False))
-    wanted = {o.name: o.parameters.get("binary_data", False) for o in request.outputs} if request.outputs else {}
+    wanted = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
     outputs_json = []
     binaries: list[bytes | memoryview] = []
     for output in response.outputs:
-        binary = wanted.get(output.name, binary_default)
+        asked = wanted.get(output.name)
+        binary = asked.get("binary_data", False) if asked is not None else binary_default
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
         if output.parameters:
             entry["parameters"] = dict(output.parameters)
-        if binary:
+        if asked and _SHM in asked:
+            region, offset, size = _shm_location(asked)
+            try:
+                _registry(shm, region).write(region, offset, size, output.name, tensor_bytes(output))
+            except InternalError as exc:
+                raise OutputPlacementError(exc.message) from None
+        elif binary:
             raw = tensor_bytes(output)
             entry.setdefault("parameters", {})["binary_data_size"] = len(raw)
             binaries.append(raw)

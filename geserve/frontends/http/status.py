@@ -9,7 +9,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.UNSUPPORTED: 501,
-    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.ALREADY_EXISTS: 400,  # sic: Triton's HTTP answer for a region registered twice
     ErrorCode.INTERNAL: 500,
     ErrorCode.CANCELLED: 500,
 }

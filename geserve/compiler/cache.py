@@ -1,0 +1,37 @@
+"""Compile-on-first-load cache: `.gem` files keyed by source hash + options, safe against concurrent compiles."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+from geserve.compiler.options import CompileOptions
+from geserve.compiler.package import write_package
+from geserve.compiler.pipeline import COMPILER_VERSION, compile_model, source_hash
+
+logger = logging.getLogger(__name__)
+CACHE_ENV = "GESERVE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "geserve"
+
+
+def compile_cached(options: CompileOptions, directory: Path | None = None) -> tuple[Path, bool]:
+    """(path of the compiled package, True when it came from the cache). One process compiles; others wait."""
+    directory = directory or cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    key = options.fingerprint(source_hash(options), COMPILER_VERSION)[:40]
+    path = directory / f"{key}.gem"
+    if path.is_file():
+        return path, True
+    with open(directory / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():
+            return path, True  # another process compiled it while this one waited
+        manifest, onnx_bytes = compile_model(options)
+        write_package(path, manifest, onnx_bytes)
+    return path, False

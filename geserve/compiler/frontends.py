@@ -1,0 +1,99 @@
+"""Front ends: read an ONNX, PyTorch or TensorFlow model into an onnx.ModelProto (the compiler's IR)."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from geserve.compiler.errors import CompilerError, MissingDependencyError
+
+OPSET = 17
+_SUFFIXES = {".onnx": "onnx", ".pt": "pytorch", ".pth": "pytorch", ".pb": "tensorflow"}
+
+
+def detect_framework(path: Path) -> str:
+    if path.is_dir() and (path / "saved_model.pb").is_file():
+        return "tensorflow"
+    framework = _SUFFIXES.get(path.suffix.lower())
+    if framework is None:
+        raise CompilerError(f"cannot tell the framework of {path}; give --framework onnx|pytorch|tensorflow")
+    return framework
+
+
+def load_model(path: Path, framework: str, input_shapes: dict[str, list[int]], out_nodes: list[str]) -> onnx.ModelProto:
+    if not path.exists():
+        raise CompilerError(f"model {path} not found")
+    if framework == "onnx":
+        try:
+            return onnx.load(str(path))
+        except Exception as exc:
+            raise CompilerError(f"failed to read ONNX model {path}: {exc}") from None
+    if framework == "pytorch":
+        return _from_pytorch(path, input_shapes, out_nodes)
+    return _from_tensorflow(path, input_shapes, out_nodes)
+
+
+def _from_pytorch(path: Path, input_shapes: dict[str, list[int]], out_nodes: list[str]) -> onnx.ModelProto:
+    """A TorchScript archive or a `torch.save`d full module; --input-shape names and sizes the inputs."""
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("torch", "pytorch", "the PyTorch front end") from None
+    if not input_shapes:
+        raise CompilerError("the PyTorch front end needs --input-shape to name and size the model inputs")
+    try:
+        module = torch.jit.load(str(path), map_location="cpu")
+    except Exception:
+        try:
+            module = torch.load(str(path), map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise CompilerError(f"failed to load PyTorch model {path}: {exc}") from None
+    if not isinstance(module, torch.nn.Module):
+        raise CompilerError(
+            f"{path} holds a {type(module).__name__}, not a module; save the whole module (torch.save(model)) "
+            f"or a TorchScript archive (torch.jit.save), not a state_dict"
+        )
+    module.eval()
+    names = list(input_shapes)
+    examples = tuple(torch.rand(*[1 if d == -1 else d for d in shape]) for shape in input_shapes.values())
+    dynamic = {n: {i: f"{n}_d{i}" for i, d in enumerate(s) if d == -1} for n, s in input_shapes.items()}
+    outputs = out_nodes or ["output"]
+    dynamic.update({n: {0: "batch"} for n in outputs} if any(s[:1] == [-1] for s in input_shapes.values()) else {})
+    buffer = io.BytesIO()
+    try:
+        with torch.no_grad():
+            torch.onnx.export(
+                module, examples, buffer, input_names=names, output_names=outputs,
+                dynamic_axes={k: v for k, v in dynamic.items() if v} or None, opset_version=OPSET, dynamo=False,
+            )
+    except Exception as exc:
+        raise CompilerError(f"torch.onnx.export failed for {path}: {str(exc).splitlines()[0]}") from None
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _from_tensorflow(path: Path, input_shapes: dict[str, list[int]], out_nodes: list[str]) -> onnx.ModelProto:
+    """A SavedModel folder or a frozen GraphDef `.pb` (which needs --input-shape and --out-nodes)."""
+    try:
+        import tf2onnx
+    except ImportError:
+        raise MissingDependencyError("tf2onnx", "tensorflow", "the TensorFlow front end") from None
+    with tempfile.TemporaryDirectory() as scratch:
+        target = str(Path(scratch) / "model.onnx")
+        try:
+            if path.is_dir():
+                model, _ = tf2onnx.convert.from_saved_model(str(path), opset=OPSET, output_path=target)
+            else:
+                if not input_shapes or not out_nodes:
+                    raise CompilerError("a frozen TensorFlow graph needs --input-shape and --out-nodes")
+                model, _ = tf2onnx.convert.from_graph_def(
+                    str(path), input_names=[f"{n}:0" for n in input_shapes],
+                    output_names=[f"{n}:0" for n in out_nodes], opset=OPSET, output_path=target,
+                )
+        except CompilerError:
+            raise
+        except Exception as exc:
+            raise CompilerError(f"tf2onnx failed for {path}: {str(exc).splitlines()[0]}") from None
+    return model

@@ -1,0 +1,33 @@
+"""Graph optimization through ONNX Runtime's offline optimizer: constant folding and operator fusion."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from geserve.compiler.errors import CompilerError
+
+# The highest level whose saved graph still runs on the target: EXTENDED fusions are CPU-EP contrib ops
+# (portable across x86/ARM CPUs, unlike ALL's NCHWc layouts); TensorRT and CANN want standard ONNX ops.
+LEVELS = {
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+}
+TARGET_LEVEL = {"cpu": "extended", "cuda": "basic", "npu": "basic"}
+
+
+def optimize(model: onnx.ModelProto, level: str) -> onnx.ModelProto:
+    with tempfile.TemporaryDirectory(prefix="geserve-compile-") as scratch:
+        target = Path(scratch) / "optimized.onnx"
+        options = ort.SessionOptions()
+        options.graph_optimization_level = LEVELS[level]
+        options.optimized_model_filepath = str(target)
+        options.log_severity_level = 3
+        try:
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            return onnx.load(str(target))
+        except Exception as exc:
+            raise CompilerError(f"ONNX Runtime could not optimize the graph: {str(exc).splitlines()[0]}") from None

@@ -1,0 +1,91 @@
+"""compile_model: runs the front end and the passes in order and returns the manifest and the ONNX bytes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import onnx
+
+from geserve.compiler.errors import CompilerError
+from geserve.compiler.frontends import detect_framework, load_model
+from geserve.compiler.optimize import TARGET_LEVEL, optimize
+from geserve.compiler.options import CompileOptions, file_hash
+from geserve.compiler.package import Manifest
+from geserve.compiler.precision import apply_precision
+from geserve.compiler.preprocess import insert_preprocessing, load_config
+from geserve.compiler.shapes import cut_outputs, drop_identities, fix_input_shapes, graph_inputs, signature
+from geserve.version import __version__
+
+logger = logging.getLogger(__name__)
+COMPILER_VERSION = f"geserve-compiler {__version__}"
+
+
+def source_hash(options: CompileOptions) -> str:
+    path = options.model
+    if path.is_dir():
+        from geserve.compiler.options import _tree_hash
+
+        return _tree_hash(path)
+    if not path.is_file():
+        raise CompilerError(f"model {path} not found")
+    return file_hash(path)
+
+
+def compile_model(
+    options: CompileOptions, progress: Callable[[str], None] | None = None
+) -> tuple[Manifest, bytes]:
+    report = progress or (lambda message: logger.info("%s", message))
+    framework = options.framework or detect_framework(options.model)
+    started = time.perf_counter()
+    report(f"reading {options.model} ({framework})")
+    model = load_model(options.model, framework, options.input_shapes, options.out_nodes)
+    source_nodes = len(model.graph.node)
+    if framework != "onnx" or options.out_nodes:
+        model = cut_outputs(model, options.out_nodes if framework == "onnx" else [])
+    model = fix_input_shapes(model, options.input_shapes, options.batch_gears)
+    if options.insert_op_conf:
+        report(f"folding preprocessing from {options.insert_op_conf}")
+        model = insert_preprocessing(model, load_config(options.insert_op_conf))
+    final_level = TARGET_LEVEL[options.target] if options.optimize else None
+    converts = options.quantize != "none" or options.precision_mode not in ("force_fp32", "must_keep_origin_dtype")
+    model = drop_identities(model)
+    if options.optimize and converts:
+        report("optimizing (constant folding, Conv+BN fusion)")
+        model = optimize(model, "basic")
+    if options.quantize == "int8":
+        if options.calibration_data is None:
+            raise CompilerError("--quantize int8 needs --calibration-data DIR (.npy / .npz files)")
+        report(f"calibrating and quantizing to INT8 with {options.calibration_data}")
+        model = quantize_step(model, options)
+    model = apply_precision(model, options.precision_mode, options.keep_io_types)
+    if final_level and not (converts and final_level == "basic"):
+        report(f"optimizing for {options.target} ({final_level} fusions)")
+        model = optimize(model, final_level)
+    onnx_bytes = model.SerializeToString()
+    manifest = Manifest(
+        source_hash=source_hash(options),
+        compiler_version=COMPILER_VERSION,
+        inputs=signature(graph_inputs(model)),
+        outputs=signature(model.graph.output),
+        batch_gears=list(options.batch_gears),
+        precision=options.precision_mode,
+        quantization=options.quantize,
+        target=options.target,
+        framework=framework,
+        options={k: v for k, v in options.cache_fields().items() if v not in (None, [], {}, "")},
+        node_counts={"source": source_nodes, "compiled": len(model.graph.node)},
+    )
+    report(
+        f"compiled in {time.perf_counter() - started:.1f} s: {source_nodes} -> {len(model.graph.node)} nodes, "
+        f"{len(onnx_bytes) / 1e6:.1f} MB"
+    )
+    return manifest, onnx_bytes
+
+
+def quantize_step(model: onnx.ModelProto, options: CompileOptions) -> onnx.ModelProto:
+    from geserve.compiler.quantize import quantize_int8
+
+    assert options.calibration_data is not None
+    return quantize_int8(model, options.calibration_data, options.target, options.per_channel)
