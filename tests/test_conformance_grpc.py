@@ -15,14 +15,10 @@ from `raw_output_contents`. Deliberate differences are named where they are asse
 from __future__ import annotations
 
 import ast
-import mmap
-import os
 import struct
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -42,6 +38,7 @@ from tests.support.reference import (
     wait_ready,
 )
 from tests.support.server import start_geserve, stop_geserve
+from tests.support.shm import Region
 
 pytestmark = pytest.mark.reference
 
@@ -68,22 +65,6 @@ def call(stub: Stub, rpc: str, request: object, metadata: tuple = ()) -> Answer:
         return Answer(exc.code(), exc.details(), None)
 
 
-class Region:
-    """A POSIX shared memory object, as tritonclient.utils.shared_memory creates it."""
-
-    def __init__(self, size: int) -> None:
-        self.key = f"/geserve-conf-{uuid.uuid4().hex[:12]}"
-        self.path = Path("/dev/shm") / self.key[1:]
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.memory = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.memory.close()
-        self.path.unlink(missing_ok=True)
 
 
 @dataclass

@@ -33,15 +33,11 @@ import functools
 import gzip
 import http.client
 import json
-import mmap
-import os
 import struct
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -59,6 +55,7 @@ from tests.support.reference import (
     wait_ready,
 )
 from tests.support.server import start_geserve, stop_geserve
+from tests.support.shm import Region
 
 pytestmark = pytest.mark.reference
 
@@ -119,22 +116,6 @@ def send(base: str, method: str, path: str, body: bytes | None = None, headers: 
         connection.close()
 
 
-class Region:
-    """A POSIX shared memory object, as tritonclient.utils.shared_memory creates it."""
-
-    def __init__(self, size: int) -> None:
-        self.key = f"/geserve-conf-{uuid.uuid4().hex[:12]}"
-        self.path = Path("/dev/shm") / self.key[1:]
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.memory = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.memory.close()
-        self.path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

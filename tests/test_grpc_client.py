@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import mmap
-import os
 import queue
 import re
-import uuid
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -25,6 +22,7 @@ from geserve.frontends.grpc.health import SERVING, HealthCheckRequest, HealthChe
 from tests.support import models
 from tests.support.reference import perf_analyzer_path, run_perf_analyzer
 from tests.support.server import RunningServer, geserve
+from tests.support.shm import Region
 
 A = np.arange(16, dtype=np.int32)[None]
 B = np.full((1, 16), 3, dtype=np.int32)
@@ -239,22 +237,6 @@ def test_asyncio_stream_infer(grpc_server: RunningServer) -> None:
 # ------------------------------------------------------------------------------------- shared memory
 
 
-class Region:
-    """A POSIX shared memory object as tritonclient.utils.shared_memory creates it (shm_open == /dev/shm/<key>)."""
-
-    def __init__(self, size: int) -> None:
-        self.key = f"/geserve-test-{uuid.uuid4().hex[:12]}"
-        self.path = Path("/dev/shm") / self.key[1:]
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.memory = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.memory.close()
-        self.path.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from geserve.settings import parse_bool
+
 logger = logging.getLogger(__name__)
 
 # Triton's defaults (prometheus-cpp summaries over a 60 s window in 5 age buckets).
@@ -47,12 +49,10 @@ class MetricsConfig:
 
 
 def _parse_bool(key: str, raw: str) -> bool:
-    lowered = raw.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"--metrics-config {key} expects true or false, got '{raw}'")
+    try:
+        return parse_bool(raw)
+    except ValueError:
+        raise ValueError(f"--metrics-config {key} expects true or false, got '{raw}'") from None
 
 
 def parse_quantiles(raw: str) -> tuple[tuple[float, float], ...]:

@@ -18,7 +18,8 @@ from tritonclient.grpc import service_pb2 as pb
 
 from geserve.core.shared_memory import RegionStatus, SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
-from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
+from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from geserve.types.wire import tensor_bytes
 
 INVALID_DATATYPE = "<invalid>"  # what Triton's core calls a datatype it does not know
 _LENGTH = struct.Struct("<I")
@@ -327,25 +328,11 @@ def to_model_infer_response(
         location = placements.get(output.name) if placements else None
         if location is not None:
             region, offset, size = location
-            shm.write(region, offset, size, output.name, to_tensor_bytes(output, copy=False))
+            shm.write(region, offset, size, output.name, tensor_bytes(output))
             raw.append(b"")
         else:
-            raw.append(to_tensor_bytes(output))  # type: ignore[arg-type]
+            raw.append(tensor_bytes(output, copy=True))  # type: ignore[arg-type]
     return message
-
-
-def to_tensor_bytes(tensor: OutputTensor, copy: bool = True) -> bytes | memoryview:
-    """A tensor's wire bytes: the array's memory, or length-prefixed elements for BYTES."""
-    data = tensor.data
-    if tensor.datatype == "BYTES":
-        parts = []
-        for value in data.reshape(-1):
-            item = value if isinstance(value, bytes) else str(value).encode()
-            parts.append(_LENGTH.pack(len(item)))
-            parts.append(item)
-        return b"".join(parts)
-    contiguous = np.ascontiguousarray(data)
-    return contiguous.tobytes() if copy else memoryview(contiguous.reshape(-1).view(np.uint8))
 
 
 def to_stream_response(

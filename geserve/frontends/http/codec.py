@@ -16,6 +16,7 @@ from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import InternalError, InvalidArgumentError, NotFoundError
 from geserve.repository.model import LoadedModel
 from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
+from geserve.types.wire import tensor_bytes
 
 _NUMPY_JSON = orjson.OPT_SERIALIZE_NUMPY
 _ORJSON_NATIVE_KINDS = frozenset("biuf")
@@ -402,18 +403,6 @@ def encode_infer_response(
     if not binaries:
         return [header], None
     return [header, *binaries], len(header)
-
-
-def tensor_bytes(output: OutputTensor) -> bytes | memoryview:
-    data = output.data
-    if output.datatype == "BYTES":
-        parts = []
-        for value in data.reshape(-1):
-            raw = value if isinstance(value, bytes) else str(value).encode()
-            parts.append(_LENGTH.pack(len(raw)))
-            parts.append(raw)
-        return b"".join(parts)
-    return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 
 
 def _json_data(output: OutputTensor) -> Any:
