@@ -336,7 +336,7 @@ needs_perf_analyzer = pytest.mark.skipif(not perf_analyzer_path().exists(), reas
 def test_perf_analyzer_grpc_concurrency_1_to_16(grpc_server: RunningServer, extra: list[str]) -> None:
     result = run_perf_analyzer(
         ["-m", "simple", "-i", "grpc", "-u", grpc_server.grpc_url, "--concurrency-range", "1:16",
-         "--measurement-interval", "300", "--stability-percentage", "50", *extra],
+         "--measurement-interval", "300", "--stability-percentage", "100", *extra],
         timeout=240,
     )
     output = result.stdout + result.stderr

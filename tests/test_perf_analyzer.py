@@ -11,13 +11,14 @@ from tests.support.server import RunningServer
 
 pytestmark = pytest.mark.skipif(not perf_analyzer_path().exists(), reason="perf_analyzer is not installed")
 
+# These tests check that perf_analyzer completes (stability 100%: any window counts); bench/ measures.
 _ROW = re.compile(r"Concurrency: (\d+), throughput: ([\d.]+) infer/sec, latency (\d+) usec")
 
 
 def test_concurrency_sweep_1_to_16_completes(server: RunningServer) -> None:
     result = run_perf_analyzer(
         ["-m", "simple", "-u", server.url, "--concurrency-range", "1:16",
-         "--measurement-interval", "300", "--stability-percentage", "50"],
+         "--measurement-interval", "300", "--stability-percentage", "100"],
         timeout=240,
     )
     output = result.stdout + result.stderr
@@ -32,7 +33,7 @@ def test_concurrency_sweep_1_to_16_completes(server: RunningServer) -> None:
 def test_batched_requests_to_the_real_classifier(server: RunningServer) -> None:
     result = run_perf_analyzer(
         ["-m", "digits", "-u", server.url, "-b", "8", "--concurrency-range", "2",
-         "--measurement-interval", "300", "--stability-percentage", "50"],
+         "--measurement-interval", "300", "--stability-percentage", "100"],
         timeout=120,
     )
     output = result.stdout + result.stderr
