@@ -101,6 +101,9 @@ def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add("--encrypt-key-file", type=Path, help="encrypt with AES-256-GCM using this 32-byte (or 64-hex) key")
     add("--no-optimize", action="store_true", help="skip ONNX Runtime's graph optimization")
     add("--quiet", action="store_true", help="no progress lines")
+    add("--check", action="store_true",
+        help="run the source and the compiled model on the same inputs and print how far apart they are")
+    add("--check-data", type=Path, help="folder of .npy/.npz inputs for --check (default: random inputs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_arguments(
         commands.add_parser("compile", help="compile a model into a .gem package (atc)", allow_abbrev=False)
     )
+    from geserve.compiler.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(commands.add_parser(
+        "compare", help="compare an output array with a golden one (npu_compare)", allow_abbrev=False
+    ))
     return parser
 
 
@@ -149,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from geserve.compiler.command import run
 
         return run(args)
+    if args.command == "compare":
+        from geserve.compiler.compare import run as run_compare
+
+        return run_compare(args)
     settings = settings_from_args(args)
     quiet = not getattr(args, "log_info", True)
     logging.basicConfig(

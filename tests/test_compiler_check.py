@@ -14,6 +14,7 @@ import pytest
 
 from geserve.backends.base import ModelSource
 from geserve.backends.ge import GeBackend
+from geserve.backends.ge.parameters import parse_ge_options
 from geserve.cli import main as cli_main
 from geserve.compiler import read_package
 from geserve.compiler.compare import compare
@@ -117,6 +118,9 @@ def test_custom_ops_library_errors_are_unavailable(mlp: Path, tmp_path: Path) ->
     parameter = 'parameters {{ key: "custom_ops" value: {{ string_value: "{}" }} }}\n'
     config = parse_config_text(_mlp_config("mlp_custom", parameter.format("ops/libmissing.so")), "mlp_custom")
     config.backend = "ge"
+    assert parse_ge_options(config).custom_ops == ["ops/libmissing.so"]
+    listed = parse_config_text(_mlp_config("m", parameter.format(" a.so, ops/b.so ,")), "m")
+    assert parse_ge_options(listed).custom_ops == ["a.so", "ops/b.so"]
     with pytest.raises(UnavailableError, match=r"custom operator library .*ops/libmissing.so \(parameter "
                                                r"'custom_ops'\) not found"):
         GeBackend().create_instances(config, ModelSource(model_dir, 1))

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.options import CompileOptions, parse_bool, parse_input_shapes, parse_int_list
@@ -26,6 +27,8 @@ def format_manifest(path: Path) -> str:
             lines.append(f"  {kind[:-1]:<17} {name}: {tensor['dtype']} {tensor['shape']}")
     counts = data["node_counts"]
     lines.append(f"  {'nodes':<17} {counts.get('source', '?')} in the source, {counts.get('compiled', '?')} compiled")
+    if "before_optimization" in counts:
+        lines.append(f"  {'optimization':<17} {counts['before_optimization']} -> {counts['after_optimization']} nodes")
     lines.append(f"  {'options':<17} {json.dumps(data['options'], sort_keys=True)}")
     return "\n".join(lines)
 
@@ -58,20 +61,86 @@ def run(args: argparse.Namespace) -> int:
         from geserve.compiler.pipeline import compile_model
 
         options = options_from_args(args)
+        if args.check and options.insert_op_conf:
+            raise CompilerError("--check feeds both models the same inputs; it cannot follow --insert-op-conf")
         key = load_key(args.encrypt_key_file, env="") if args.encrypt_key_file else None
         quiet = args.quiet or not sys.stderr.isatty()
         manifest, onnx_bytes = compile_model(options, None if quiet else _progress)
         path = write_package(args.output, manifest, onnx_bytes, key)
         counts = manifest.node_counts
+        print(f"[compile] graph optimization: {counts['before_optimization']} -> {counts['after_optimization']} "
+              f"nodes ({counts['source']} in the source, {counts['compiled']} compiled)", file=sys.stderr)
         print(
             f"wrote {path} ({len(onnx_bytes) / 1e6:.1f} MB{', encrypted' if key else ''}): "
             f"{counts['source']} -> {counts['compiled']} nodes, precision {manifest.precision}, "
             f"quantization {manifest.quantization}, gears {manifest.batch_gears or '-'}, target {manifest.target}"
         )
+        if args.check:
+            for line in check(options, onnx_bytes, args.check_data):
+                print(line)
         return EXIT_OK
     except CompilerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: int = 0) -> list[str]:
+    """Run the source and the compiled model on the same inputs; one comparison line per common output."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from geserve.compiler.compare import compare
+    from geserve.compiler.frontends import detect_framework, load_model
+    from geserve.compiler.quantize import calibration_batches
+    from geserve.compiler.shapes import ORT_TYPES
+
+    framework = options.framework or detect_framework(options.model)
+    if framework == "onnx":
+        source: bytes | str = str(options.model)
+    else:
+        source = load_model(options.model, framework, options.input_shapes, options.out_nodes).SerializeToString()
+    sessions = [ort.InferenceSession(graph, providers=["CPUExecutionProvider"]) for graph in (source, onnx_bytes)]
+    compiled = sessions[1]
+    types = {i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ORT_TYPES[i.type])) for i in compiled.get_inputs()}
+    if data is not None:
+        batches = calibration_batches(data, onnx.load_from_string(onnx_bytes))
+    else:
+        batches = [_random_inputs(compiled, types, options.batch_gears, np.random.default_rng(seed))]
+    names = [o.name for o in compiled.get_outputs() if o.name in {s.name for s in sessions[0].get_outputs()}]
+    if not names:
+        raise CompilerError("--check: the compiled model shares no output name with the source")
+    results: dict[str, list[list]] = {name: [[], []] for name in names}
+    for batch in batches:
+        feed = {k: np.asarray(v).astype(types[k], copy=False) for k, v in batch.items()}
+        for index, session in enumerate(sessions):
+            for name, value in zip(names, session.run(names, feed), strict=True):
+                results[name][index].append(value)
+    lines = [f"check: {len(batches)} batch(es) {'from ' + str(data) if data else 'of random inputs'}"]
+    for name, (golden, output) in results.items():
+        same = len({g.shape[1:] for g in golden}) == 1
+        joined = [np.concatenate(arrays if same else [a.ravel() for a in arrays]) for arrays in (golden, output)]
+        lines.append("check " + compare(*joined).describe(f"output '{name}'"))
+    return lines
+
+
+def _random_inputs(session: Any, types: dict[str, Any], gears: list[int], rng: Any) -> dict[str, Any]:
+    """Inputs of the compiled model's shape: dynamic batch -> the largest gear up to 4 (else 2), other -> 16;
+    floats ~ N(0, 1), integers in [0, 100) (all ones for inputs named like a mask)."""
+    import numpy as np
+
+    batch = max([g for g in gears if g <= 4], default=2)
+    feed = {}
+    for value in session.get_inputs():
+        shape = [d if isinstance(d, int) and d > 0 else (batch if i == 0 else 16) for i, d in enumerate(value.shape)]
+        dtype = types[value.name]
+        if np.issubdtype(dtype, np.floating):
+            feed[value.name] = rng.standard_normal(shape).astype(dtype)
+        elif "mask" in value.name.lower():
+            feed[value.name] = np.ones(shape, dtype)
+        else:
+            feed[value.name] = rng.integers(0, 100, shape).astype(dtype)
+    return feed
 
 
 def _progress(message: str) -> None:

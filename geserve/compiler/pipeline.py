@@ -51,9 +51,13 @@ def compile_model(
     final_level = TARGET_LEVEL[options.target] if options.optimize else None
     converts = options.quantize != "none" or options.precision_mode not in ("force_fp32", "must_keep_origin_dtype")
     model = drop_identities(model)
+    # Node counts around the optimization of the FP32 graph (before an FP16 / INT8 conversion adds Cast or Q/DQ
+    # nodes, and ONNX Runtime its own Casts around ops without FP16 kernels): what constant folding and fusion did.
+    before_optimization = len(model.graph.node)
     if options.optimize and converts:
         report("optimizing (constant folding, Conv+BN fusion)")
         model = optimize(model, "basic")
+    after_optimization = len(model.graph.node)
     if options.quantize == "int8":
         if options.calibration_data is None:
             raise CompilerError("--quantize int8 needs --calibration-data DIR (.npy / .npz files)")
@@ -63,6 +67,7 @@ def compile_model(
     if final_level and not (converts and final_level == "basic"):
         report(f"optimizing for {options.target} ({final_level} fusions)")
         model = optimize(model, final_level)
+        after_optimization = after_optimization if converts else len(model.graph.node)
     onnx_bytes = model.SerializeToString()
     manifest = Manifest(
         source_hash=source_hash(options),
@@ -75,7 +80,8 @@ def compile_model(
         target=options.target,
         framework=framework,
         options={k: v for k, v in options.cache_fields().items() if v not in (None, [], {}, "")},
-        node_counts={"source": source_nodes, "compiled": len(model.graph.node)},
+        node_counts={"source": source_nodes, "before_optimization": before_optimization,
+                     "after_optimization": after_optimization, "compiled": len(model.graph.node)},
     )
     report(
         f"compiled in {time.perf_counter() - started:.1f} s: {source_nodes} -> {len(model.graph.node)} nodes, "

@@ -104,7 +104,7 @@ def drop_identities(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-_ORT_TYPES = {f"tensor({name})": value for name, value in (
+ORT_TYPES = {f"tensor({name})": value for name, value in (
     ("float", onnx.TensorProto.FLOAT), ("float16", onnx.TensorProto.FLOAT16), ("double", onnx.TensorProto.DOUBLE),
     ("int64", onnx.TensorProto.INT64), ("int32", onnx.TensorProto.INT32), ("int8", onnx.TensorProto.INT8),
     ("uint8", onnx.TensorProto.UINT8), ("bool", onnx.TensorProto.BOOL), ("string", onnx.TensorProto.STRING),
@@ -126,7 +126,7 @@ def complete_types(model: onnx.ModelProto) -> onnx.ModelProto:
     probe.graph.output.extend(onnx.ValueInfoProto(name=name) for name in missing)
     session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     for output in session.get_outputs():
-        if output.name in missing and output.type in _ORT_TYPES:
+        if output.name in missing and output.type in ORT_TYPES:
             shape = [d if isinstance(d, int) else None for d in output.shape] if output.shape else None
-            graph.value_info.append(onnx.helper.make_tensor_value_info(output.name, _ORT_TYPES[output.type], shape))
+            graph.value_info.append(onnx.helper.make_tensor_value_info(output.name, ORT_TYPES[output.type], shape))
     return model

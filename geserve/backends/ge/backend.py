@@ -177,6 +177,19 @@ def _create_session(
             session_options.add_session_config_entry(key, value)
         except Exception as exc:
             raise InvalidArgumentError(f"parameter 'ort.{key}' was refused by onnxruntime: {exc}") from None
+    for library in options.custom_ops:
+        library_path = source.model_dir / library
+        if not library_path.is_file():
+            raise UnavailableError(
+                f"model '{config.name}': custom operator library {library_path} (parameter 'custom_ops') not found"
+            )
+        try:
+            session_options.register_custom_ops_library(str(library_path))
+        except Exception as exc:
+            raise UnavailableError(
+                f"model '{config.name}': cannot register custom operator library {library_path}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
     try:
         return ort.InferenceSession(
             graph if isinstance(graph, bytes) else str(graph),

@@ -40,6 +40,7 @@ class GeOptions:
     enable_mem_pattern: bool = True
     ge_options: dict[str, str] = field(default_factory=dict)
     ort_config_entries: dict[str, str] = field(default_factory=dict)
+    custom_ops: list[str] = field(default_factory=list)  # custom-op libraries (.so), relative to the model dir
 
 
 def _as_bool(key: str, value: str) -> bool:
@@ -98,6 +99,7 @@ _SETTERS = {
     "execution_mode": _set_execution_mode,
     "enable_mem_arena": lambda o, k, v: setattr(o, "enable_mem_arena", _as_bool(k, v)),
     "enable_mem_pattern": lambda o, k, v: setattr(o, "enable_mem_pattern", _as_bool(k, v)),
+    "custom_ops": lambda o, k, v: o.custom_ops.__setitem__(slice(None), [p.strip() for p in v.split(",") if p.strip()]),
 }
 
 # Read by other layers (the scheduler, the compiler); accepted here so they are not rejected as unknown.
