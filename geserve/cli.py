@@ -95,7 +95,8 @@ def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp16", "allow_mix_precision"])
     add("--keep-io-types", default="true", help="keep FP32 inputs/outputs when converting to FP16 (default true)")
     add("--quantize", choices=["none", "int8"], default="none")
-    add("--calibration-data", type=Path, help="folder of .npy/.npz calibration batches for --quantize int8")
+    add("--calibration-data", type=Path, 
+        help="for --quantize int8: a folder of .npy/.npz batches, or a callable file.py:function / module:function")
     add("--insert-op-conf", type=Path, help="AIPP-style preprocessing JSON to fold into the graph")
     add("--target", choices=["cpu", "cuda", "npu"], default="cpu")
     add("--encrypt-key-file", type=Path, help="encrypt with AES-256-GCM using this 32-byte (or 64-hex) key")

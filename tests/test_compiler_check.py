@@ -163,3 +163,26 @@ def test_served_gem_refuses_wrong_shape_and_reports_missing_custom_ops(
     assert states["effnet"]["state"] == "READY"
     assert states["mlp_custom"]["state"] == "UNAVAILABLE"
     assert "libmissing.so" in states["mlp_custom"]["reason"] and "custom_ops" in states["mlp_custom"]["reason"]
+
+
+def test_calibration_data_from_a_python_callable(tmp_path: Path) -> None:
+    """`--calibration-data file.py:function`: the callable yields the calibration batches."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from geserve.compiler.errors import CompilerError
+    from geserve.compiler.quantize import calibration_batches
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    script = tmp_path / "calibrate.py"
+    script.write_text("import numpy as np\ndef batches():\n    for i in range(3):\n"
+                      "        yield np.full((2, 4), float(i), dtype=np.float32)\n")
+    batches = calibration_batches(Path(f"{script}:batches"), model)
+    assert [b["x"].shape for b in batches] == [(2, 4)] * 3 and batches[2]["x"][0, 0] == 2.0
+    with pytest.raises(CompilerError, match="cannot load the calibration callable"):
+        calibration_batches(Path(f"{script}:missing"), onnx.load_from_string(model.SerializeToString()))

@@ -106,6 +106,11 @@ def file_hash(path: Path) -> str:
 
 def _tree_hash(path: Path) -> str:
     path = Path(path)
+    if not path.exists() and ":" in str(path):  # a calibration callable, `file.py:function` or `module:function`
+        module, _, function = str(path).rpartition(":")
+        source = Path(module)
+        identity = (file_hash(source) if source.is_file() else module) + ":" + function
+        return hashlib.sha256(identity.encode()).hexdigest()
     if path.is_file():
         return file_hash(path)
     digest = hashlib.sha256()

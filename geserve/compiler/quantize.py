@@ -1,7 +1,9 @@
-"""INT8 post-training static quantization with ONNX Runtime's quantizer and a folder of calibration arrays.
+"""INT8 post-training static quantization with ONNX Runtime's quantizer and calibration data.
 
 Calibration data: a folder of `.npy` files (each a batch for the single input) or `.npz` files (one array
-per input name). QOperator (QLinearConv, ...) is the fast form on CPU; QDQ is what TensorRT / CANN expect.
+per input name), or a Python callable named `path/to/file.py:function` or `package.module:function` that
+returns an iterable of arrays (single input) or of {input name: array} dicts. QOperator (QLinearConv, ...)
+is the fast form on CPU; QDQ is what TensorRT / CANN expect.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _MAX_ROWS = 32  # rows per calibration run: bounds the memory of collecting acti
 
 def calibration_batches(folder: Path, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     inputs = graph_inputs(model)
+    if not Path(folder).exists() and ":" in str(folder):
+        return [chunk for feed in _from_callable(str(folder), inputs) for chunk in _split_rows(feed, inputs)]
     files = sorted(p for p in Path(folder).glob("*") if p.suffix in (".npy", ".npz")) if folder.is_dir() else []
     if not files:
         raise CompilerError(f"--calibration-data {folder} holds no .npy or .npz files")
@@ -38,6 +42,34 @@ def calibration_batches(folder: Path, model: onnx.ModelProto) -> list[dict[str, 
                 raise CompilerError(f"{path} lacks array(s) for input(s) {missing}")
         batches.extend(_split_rows(feed, inputs))
     return batches
+
+
+def _from_callable(spec: str, inputs: list[onnx.ValueInfoProto]) -> Iterator[dict[str, np.ndarray]]:
+    import importlib
+    import importlib.util
+
+    module_ref, _, name = spec.rpartition(":")
+    try:
+        if module_ref.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location("geserve_calibration", module_ref)
+            if loader_spec is None or loader_spec.loader is None:
+                raise ImportError(f"cannot load {module_ref}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_ref)
+        produce = getattr(module, name)
+    except (ImportError, AttributeError, OSError, SyntaxError) as exc:
+        raise CompilerError(f"--calibration-data {spec}: cannot load the calibration callable: {exc}") from None
+    for item in produce():
+        if isinstance(item, np.ndarray):
+            if len(inputs) != 1:
+                raise CompilerError(f"--calibration-data {spec} yielded an array; the graph has {len(inputs)} inputs")
+            yield {inputs[0].name: item}
+        elif isinstance(item, dict):
+            yield {key: np.asarray(value) for key, value in item.items()}
+        else:
+            raise CompilerError(f"--calibration-data {spec} must yield arrays or dicts, got {type(item).__name__}")
 
 
 def _split_rows(feed: dict[str, np.ndarray], inputs: list[onnx.ValueInfoProto]) -> Iterator[dict[str, np.ndarray]]:
