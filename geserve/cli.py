@@ -95,7 +95,7 @@ def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp16", "allow_mix_precision"])
     add("--keep-io-types", default="true", help="keep FP32 inputs/outputs when converting to FP16 (default true)")
     add("--quantize", choices=["none", "int8"], default="none")
-    add("--calibration-data", type=Path, 
+    add("--calibration-data", type=Path,
         help="for --quantize int8: a folder of .npy/.npz batches, or a callable file.py:function / module:function")
     add("--insert-op-conf", type=Path, help="AIPP-style preprocessing JSON to fold into the graph")
     add("--target", choices=["cpu", "cuda", "npu"], default="cpu")
