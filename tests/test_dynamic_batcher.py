@@ -309,3 +309,13 @@ def test_adaptive_controller_halves_above_target_and_grows_back_below() -> None:
     for _ in range(3):
         controller.decide(2_000_000)
     assert controller.batch_limit == 16
+
+
+def test_adaptive_controller_does_not_shrink_batches_under_a_backlog() -> None:
+    """Over the target with requests left queued after each batch: latency is queueing, so batches grow."""
+    controller = AdaptiveController(target_p99_ms=10, max_batch_size=16, max_delay_ns=1_000_000)
+    controller.decide(20_000_000)
+    assert controller.batch_limit == 8  # no backlog: the batch execution is what is slow
+    controller.decide(20_000_000, mean_batch=8.0, backlog=0.9)
+    assert controller.batch_limit == 16 and controller.delay_ns == 0
+

@@ -3,6 +3,9 @@
 The strategy of the Ascend deployment guides, made continuous: above the target, halve the queue delay, then
 the batch limit; below 80% of it, double the batch limit back, then grow the delay, but only while
 requests really share batches (a delay never helps a lone request: at concurrency 1 it stays 0).
+One exception, measured in bench/adaptive_batching.py: when requests are still queued after most batches
+leave, latency is queueing, not batch execution, so smaller batches would only make it worse; then the
+limit goes back up instead.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ class AdaptiveController:
         self.last_p99_ns = 0
         self._samples: list[int] = []
         self._executions = 0
+        self._backlogged = 0
         self._last_decision = time.monotonic_ns()
 
-    def observe(self, latencies_ns: list[int]) -> None:
-        """The end-to-end latencies of the requests of one execution."""
+    def observe(self, latencies_ns: list[int], backlogged: bool = False) -> None:
+        """The end-to-end latencies of the requests of one execution; `backlogged`: requests were left queued."""
         self._samples.extend(latencies_ns)
         self._executions += 1
+        self._backlogged += backlogged
         now = time.monotonic_ns()
         if len(self._samples) < _WINDOW and now - self._last_decision < _MIN_INTERVAL_NS:
             return
@@ -41,14 +46,19 @@ class AdaptiveController:
             return
         self.last_p99_ns = int(np.percentile(self._samples, 99))
         mean_batch = len(self._samples) / max(1, self._executions)
+        backlog = self._backlogged / max(1, self._executions)
         self._samples.clear()
-        self._executions = 0
+        self._executions = self._backlogged = 0
         self._last_decision = now
-        self.decide(self.last_p99_ns, mean_batch)
+        self.decide(self.last_p99_ns, mean_batch, backlog)
 
-    def decide(self, p99_ns: int, mean_batch: float = 2.0) -> None:
+    def decide(self, p99_ns: int, mean_batch: float = 2.0, backlog: float = 0.0) -> None:
+        """`backlog`: the share of executions that left requests queued behind them."""
         if p99_ns > self.target_ns:
-            if self.delay_ns:
+            if backlog > 0.5:
+                self.delay_ns = 0  # overloaded: only throughput shortens the queue
+                self.batch_limit = min(self.max_batch_size, self.batch_limit * 2)
+            elif self.delay_ns:
                 self.delay_ns //= 2
             else:
                 self.batch_limit = max(1, self.batch_limit // 2)

@@ -291,7 +291,7 @@ class DynamicBatcher:
             self._complete(pending, result)
         if self._adaptive is not None:
             now = time.monotonic_ns()
-            self._adaptive.observe([(now - p.enqueued_ns) for p in batch])
+            self._adaptive.observe([(now - p.enqueued_ns) for p in batch], backlogged=self._queue.size > 0)
 
     def _padding(self, first: InferenceRequest, rows: int) -> InferenceRequest | None:
         """Zero rows that lift a batch to the next gear; their outputs are never returned."""
