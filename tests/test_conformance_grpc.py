@@ -28,22 +28,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from tests.support import models
-from tests.support.reference import (
-    build_python_backend_repository,
-    free_port,
-    reference_available,
-    reference_unavailable_reason,
-    start_reference_triton,
-    stop_process,
-    wait_ready,
-)
-from tests.support.server import start_geserve, stop_geserve
+from tests.support.conformance import MODELS, STATS_MODEL, server_pair
 from tests.support.shm import Region
 
 pytestmark = pytest.mark.reference
 
-MODELS = ("simple", "digits", "nobatch", "identity_fp16", "identity_bool", "identity_bytes")
-STATS_MODEL = "stats_probe"
 NUMPY = {
     "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16, "FP32": np.float32,
     "FP64": np.float64, "UINT8": np.uint8,
@@ -80,39 +69,15 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    if not reference_available():
-        pytest.skip(reference_unavailable_reason() or "reference Triton unavailable")
-    root = tmp_path_factory.mktemp("conformance-grpc")
-    source = root / "onnx"
-    source.mkdir()
-    models.simple(source)
-    models.simple(source, STATS_MODEL)
-    models.nobatch(source)
-    models.digits(source)
-    for kind in ("fp16", "bool", "bytes"):
-        models.identity(source, kind)
-    python_repo = build_python_backend_repository(source, root / "python", [*MODELS, STATS_MODEL])
-    http_port, grpc_port = free_port(), free_port()
-    triton = start_reference_triton(python_repo, http_port, grpc_port, free_port(), root / "triton.log")
-    regions = (Region(256), Region(256))
-    try:
-        server = start_geserve([source], root / "geserve.log", ["--allow-system-shared-memory"])
-        try:
-            wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton.log")
-            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as t_channel, \
-                    grpc.insecure_channel(server.grpc_url) as g_channel:
-                servers = Servers(Stub(t_channel), Stub(g_channel), *regions)
-                for stub in (servers.triton, servers.geserve):
-                    for name, region in (("in", regions[0]), ("out", regions[1])):
-                        stub.SystemSharedMemoryRegister(
-                            pb.SystemSharedMemoryRegisterRequest(name=name, key=region.key, byte_size=256))
-                yield servers
-        finally:
-            stop_geserve(server)
-    finally:
-        stop_process(triton)
-        for region in regions:
-            region.close()
+    with server_pair(tmp_path_factory.mktemp("conformance-grpc")) as pair, \
+            grpc.insecure_channel(pair.triton_grpc) as t_channel, \
+            grpc.insecure_channel(pair.geserve.grpc_url) as g_channel:
+        servers = Servers(Stub(t_channel), Stub(g_channel), *pair.regions)
+        for stub in (servers.triton, servers.geserve):
+            for name, region in (("in", pair.regions[0]), ("out", pair.regions[1])):
+                stub.SystemSharedMemoryRegister(
+                    pb.SystemSharedMemoryRegisterRequest(name=name, key=region.key, byte_size=256))
+        yield servers
 
 
 # ----------------------------------------------------------------------------------- building requests

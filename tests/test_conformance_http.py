@@ -45,22 +45,11 @@ import numpy as np
 import pytest
 
 from tests.support import models
-from tests.support.reference import (
-    build_python_backend_repository,
-    free_port,
-    reference_available,
-    reference_unavailable_reason,
-    start_reference_triton,
-    stop_process,
-    wait_ready,
-)
-from tests.support.server import start_geserve, stop_geserve
+from tests.support.conformance import MODELS, STATS_MODEL, server_pair
 from tests.support.shm import Region
 
 pytestmark = pytest.mark.reference
 
-MODELS = ("simple", "digits", "nobatch", "identity_fp16", "identity_bool", "identity_bytes")
-STATS_MODEL = "stats_probe"  # a second `simple` that only the statistics test sends traffic to
 JSON_CT = "application/json"
 TEXT_CT = "text/plain"
 INFERENCE_STATS_KEYS = {
@@ -135,41 +124,15 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    if not reference_available():
-        pytest.skip(reference_unavailable_reason() or "reference Triton unavailable")
-    root = tmp_path_factory.mktemp("conformance")
-    source = root / "onnx"
-    source.mkdir()
-    models.simple(source)
-    models.simple(source, STATS_MODEL)
-    models.nobatch(source)
-    models.digits(source)
-    for kind in ("fp16", "bool", "bytes"):
-        models.identity(source, kind)
-    python_repo = build_python_backend_repository(source, root / "python", [*MODELS, STATS_MODEL])
-    # Both boot at once: Triton in the background while geserve starts.
-    port = free_port()
-    triton = start_reference_triton(python_repo, port, free_port(), free_port(), root / "triton.log")
-    regions = (Region(256), Region(256))
-    regions[0].memory[:SHM_IN_SIZE] = SHM_IN
-    try:
-        server = start_geserve([source], root / "geserve.log", ["--allow-system-shared-memory=true"])
-        try:
-            triton_url = f"http://127.0.0.1:{port}"
-            wait_ready(triton_url, process=triton, log_path=root / "triton.log")
-            wait_ready(server.base, process=server.process, log_path=root / "geserve.log")
-            servers = Servers(triton_url, server.base, *regions)
-            for name, region in (("in", regions[0]), ("out", regions[1])):
-                path = f"/v2/systemsharedmemory/region/{name}/register"
-                replies = servers.both("POST", path, {"key": region.key, "offset": 0, "byte_size": 256})
-                assert [(r.status, r.body) for r in replies] == [(200, b"")] * 2, replies
-            yield servers
-        finally:
-            stop_geserve(server)
-    finally:
-        stop_process(triton)
-        for region in regions:
-            region.close()
+    with server_pair(tmp_path_factory.mktemp("conformance")) as pair:
+        regions = pair.regions
+        regions[0].memory[:SHM_IN_SIZE] = SHM_IN
+        servers = Servers(f"http://{pair.triton_http}", pair.geserve.base, *regions)
+        for name, region in (("in", regions[0]), ("out", regions[1])):
+            path = f"/v2/systemsharedmemory/region/{name}/register"
+            replies = servers.both("POST", path, {"key": region.key, "offset": 0, "byte_size": 256})
+            assert [(r.status, r.body) for r in replies] == [(200, b"")] * 2, replies
+        yield servers
 
 
 # --------------------------------------------------------------------------------- request builders
