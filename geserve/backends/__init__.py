@@ -1,0 +1,1 @@
+"""Backends: the Backend / ModelInstance protocols, the registry, and the GE backend."""

@@ -1,0 +1,1 @@
+"""The protocol-neutral core: data plane, validation, classification, statistics, shared memory, server."""
