@@ -490,7 +490,7 @@ def ratio_table(summary: Summary, models: list[str]) -> list[str]:
 
 
 def check_targets(summary: Summary, models: list[str]) -> list[tuple[str, bool | None, str]]:
-    """Issue 3's targets: (description, passed or None when not measured, the numbers)."""
+    """The issues' targets: (description, passed or None when not measured, the numbers)."""
     targets: list[tuple[str, bool | None, str]] = []
     if "mlp" in models:
         g1 = served_point(summary, "mlp", "geserve", 1)
@@ -598,7 +598,7 @@ def write_reports(summary: Summary, samples: Samples, models: list[str], mode: M
         f"{tables}\n\n"
         "÷ raw: against raw batch-1 rows/s at c=1, against the best batch size at c=4 and c=16. "
         "Triton+DB: Triton with `dynamic_batching {}`.\n\n"
-        "## Targets (issue 3)\n\n" + "\n".join(target_lines(targets)) + "\n\n"
+        "## Targets (issues 3, 4 and 5)\n\n" + "\n".join(target_lines(targets)) + "\n\n"
         "## Versions\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta["versions"].items()) + "\n\n"  # type: ignore[union-attr]
         "## How it was measured\n\n"
         f"- raw: in a child process, one ONNX Runtime session with geserve's options "
