@@ -26,6 +26,7 @@ import pytest
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
+from tritonclient.utils import deserialize_bytes_tensor
 
 from tests.support import models
 from tests.support.conformance import MODELS, STATS_MODEL, server_pair
@@ -168,13 +169,7 @@ def decode(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     arrays = {}
     for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
         if output.datatype == "BYTES":
-            items, at = [], 0
-            while at < len(raw):
-                (n,) = struct.unpack_from("<I", raw, at)
-                items.append(raw[at + 4 : at + 4 + n])
-                at += 4 + n
-            array = np.empty(len(items), dtype=object)
-            array[:] = items
+            array = deserialize_bytes_tensor(raw)
         else:
             array = np.frombuffer(raw, dtype=NUMPY[output.datatype])
         arrays[output.name] = array.reshape(list(output.shape)) if raw or not len(output.shape) else array

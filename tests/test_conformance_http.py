@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from tritonclient.utils import deserialize_bytes_tensor
 
 from tests.support import models
 from tests.support.conformance import MODELS, STATS_MODEL, server_pair
@@ -211,16 +212,8 @@ def decode_outputs(reply: Reply) -> tuple[dict, dict[str, np.ndarray]]:
         if size is not None:
             raw = body[offset : offset + size]
             offset += size
-            if datatype == "BYTES":
-                items, at = [], 0
-                while at < len(raw):
-                    (n,) = struct.unpack_from("<I", raw, at)
-                    items.append(raw[at + 4 : at + 4 + n])
-                    at += 4 + n
-                array = np.empty(len(items), dtype=object)
-                array[:] = items
-            else:
-                array = np.frombuffer(raw, dtype=NUMPY[datatype])
+            bytes_tensor = datatype == "BYTES"
+            array = deserialize_bytes_tensor(raw) if bytes_tensor else np.frombuffer(raw, dtype=NUMPY[datatype])
         elif datatype == "BYTES":
             array = np.empty(len(output["data"]), dtype=object)
             array[:] = [v.encode() for v in output["data"]]

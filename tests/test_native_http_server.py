@@ -41,6 +41,14 @@ def _read_responses(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
     return responses
 
 
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (the test fails on the timeout if not)."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
 def _request(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
     head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
     return head.encode() + body
@@ -82,25 +90,19 @@ def test_expect_100_continue(server: RunningServer) -> None:
 def test_http_1_0_closes_after_the_response(server: RunningServer) -> None:
     with _connect(server) as sock:
         sock.sendall(b"GET /v2/health/ready HTTP/1.0\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(4096):
-            data += chunk
+        data = _read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 200")
 
 
 def test_malformed_request_is_400_and_closed(server: RunningServer) -> None:
     with _connect(server) as sock:
         sock.sendall(b"THIS IS NOT HTTP\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(4096):
-            data += chunk
+        data = _read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 400")
 
 
 def test_oversized_body_refused_before_it_is_sent(good_repo: Path, tmp_path: Path) -> None:
     with geserve([good_repo], tmp_path / "log", ["--http-max-input-size=1000"]) as server, _connect(server) as sock:
         sock.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(4096):  # the server answers and closes without waiting for 5 MB
-            data += chunk
+        data = _read_until_closed(sock)  # the server answers and closes without waiting for 5 MB
         assert data.startswith(b"HTTP/1.1 400") and b"--http-max-input-size" in data
