@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,16 @@ class GraphTensor:
 
 
 def read_signature(model_path: Path) -> tuple[list[GraphTensor], list[GraphTensor]]:
-    """The graph's real inputs (initializers excluded) and outputs, without loading external weights."""
+    """The graph's real inputs (initializers excluded) and outputs, without loading external weights.
+
+    A load asks twice (auto-complete, then the instance layout): the file is parsed once per content."""
+    stat = model_path.stat()
+    inputs, outputs = _signature(model_path, stat.st_mtime_ns, stat.st_size)
+    return list(inputs), list(outputs)  # the cached lists stay unshared
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(model_path: Path, mtime_ns: int, size: int) -> tuple[list[GraphTensor], list[GraphTensor]]:
     if is_package(model_path):
         return _package_signature(model_path)
     try:
