@@ -55,7 +55,15 @@ def server_pair(root: Path) -> Iterator[ServerPair]:
     try:
         server = start_geserve([source], root / "geserve.log", ["--allow-system-shared-memory=true"])
         try:
-            wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton.log")
+            try:
+                wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton.log")
+            except RuntimeError:
+                # The reference, not geserve, is what failed: its Python-backend stub sometimes dies at start
+                # under load (boost interprocess lock). One fresh start, then its error stands.
+                stop_process(triton)
+                http_port, grpc_port = free_port(), free_port()
+                triton = start_reference_triton(python_repo, http_port, grpc_port, free_port(), root / "triton2.log")
+                wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton2.log")
             wait_ready(server.base, process=server.process, log_path=root / "geserve.log")
             yield ServerPair(server, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", regions)
         finally:
