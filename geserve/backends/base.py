@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +33,18 @@ class ModelSource:
     @property
     def version_dir(self) -> Path:
         return self.model_dir / str(self.version)
+
+
+class InferenceHost(Protocol):
+    """The server's own data plane as models see it: BLS calls and ensemble steps go through it."""
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Run `request` on its model (validation, scheduler, statistics), as a frontend would."""
+        ...
+
+    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        """Every response of a decoupled model to `request`, the last one flagged final."""
+        ...
 
 
 class ModelInstance(Protocol):

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from geserve.backends.base import Backend, BackendSettings
+from geserve.backends.base import Backend, BackendSettings, InferenceHost
 from geserve.backends.ge import GeBackend
 from geserve.config import ModelConfig
 from geserve.errors import InvalidArgumentError
 
 # backend name -> factory; every GE dialect also reads `--backend-config=ge,...`
-_BACKENDS: dict[str, Callable[[BackendSettings], Backend]] = {
-    "ge": GeBackend,
-    "npu_ge": GeBackend,
-    "onnxruntime": GeBackend,
+_BACKENDS: dict[str, Callable[[BackendSettings, InferenceHost], Backend]] = {
+    "ge": lambda settings, _host: GeBackend(settings),
+    "npu_ge": lambda settings, _host: GeBackend(settings),
+    "onnxruntime": lambda settings, _host: GeBackend(settings),
 }
 # platform -> backend, as Triton pairs them
 _PLATFORMS = {"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime"}
@@ -27,6 +27,17 @@ class BackendRegistry:
     def __init__(self, settings: dict[str, dict[str, str]]) -> None:
         self._settings = settings
         self._instances: dict[str, Backend] = {}
+        self._host: InferenceHost | None = None
+
+    @property
+    def host(self) -> InferenceHost:
+        if self._host is None:
+            raise RuntimeError("the backend registry has no inference host attached")
+        return self._host
+
+    def attach_host(self, host: InferenceHost) -> None:
+        """The data plane, which is built after the registry (it needs the model manager)."""
+        self._host = host
 
     def complete_platform(self, config: ModelConfig, model_dir: Path) -> None:
         """Triton derives the backend from the platform (and the platform from the model file) when absent."""
@@ -61,5 +72,5 @@ class BackendRegistry:
             )
         if name not in self._instances:
             merged = {**self._settings.get("ge", {}), **self._settings.get(name, {})}
-            self._instances[name] = factory(BackendSettings(merged))
+            self._instances[name] = factory(BackendSettings(merged), self.host)
         return self._instances[name]

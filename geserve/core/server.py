@@ -38,9 +38,10 @@ class Server:
             raise StartupError("at least one --model-repository is required")
         self.settings = settings
         self.store = ModelStore(settings.model_repositories)
+        registry = BackendRegistry(settings.backend_config)
         self.manager = ModelManager(
             self.store,
-            BackendRegistry(settings.backend_config),
+            registry,
             LifecycleOptions(
                 settings.auto_complete_config, devices.default_instance_kind(), settings.inline_execution_us
             ),
@@ -50,6 +51,7 @@ class Server:
             explicit_control=settings.model_control_mode == "explicit",
             strict_readiness=settings.strict_readiness,
         )
+        registry.attach_host(self.dataplane)
         # One of each for both frontends: a region registered or a setting changed over one shows over the other.
         self.shared_memory = SharedMemoryRegistry(settings.allow_system_shared_memory)
         self.log_settings = LogSettings(settings.log_verbose)
