@@ -104,6 +104,22 @@ def test_both_parameter_dialects_are_read_and_unknown_rejected() -> None:
         parse_ge_options(config)
 
 
+@pytest.mark.parametrize(
+    ("count", "parameters", "expected"),
+    [(2, {}, 2), (2, {"instance_exec_blocks": "3"}, 6), (2, {"device_exec_blocks": "3"}, 3),
+     (3, {"device_exec_blocks": "1"}, 1)],
+)
+def test_exec_blocks_size_the_instance_pool(tmp_path: Path, count: int, parameters: dict, expected: int) -> None:
+    model_dir = models.simple(tmp_path)
+    config = _complete(model_dir, (model_dir / "config.pbtxt").read_text())
+    config.instance_group[0].count = count
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    instances = GeBackend().create_instances(config, ModelSource(model_dir, 1))
+    assert len(instances) == expected
+    assert len({i.name for i in instances}) == expected
+
+
 def test_threads_are_shared_between_instances() -> None:
     assert threads_per_instance(1) >= threads_per_instance(2) >= 1
     assert threads_per_instance(1000) == 1

@@ -81,14 +81,18 @@ class GeBackend:
 
 
 def _placements(config: ModelConfig, options: GeOptions) -> list[tuple[str, int, int]]:
-    """(instance name, kind, device id) for every execution context of every instance group."""
+    """(instance name, kind, device id) for every execution context of every instance group.
+
+    Each context is one pool worker. `instance_exec_blocks` multiplies a group's `count`; `device_exec_blocks`
+    instead fixes the group's total on each device, as Ascend sizes executors by device memory, not instances.
+    """
     placements = []
     for group in config.instance_group:
         if group.kind == devices.KIND_GPU:
             device_ids = list(group.gpus) or options.device_ids or [0]
         else:
             device_ids = options.device_ids[:1] or [0]
-        per_device = group.count * options.instance_exec_blocks
+        per_device = options.device_exec_blocks or group.count * options.instance_exec_blocks
         for device_id in device_ids:
             for _ in range(per_device):
                 placements.append((f"{group.name}_{len(placements)}", group.kind, device_id))

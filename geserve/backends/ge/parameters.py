@@ -27,8 +27,8 @@ class GeOptions:
     executor_type: str = "GE"
     accelerator: str | None = None  # "cuda", "npu", ... ; None follows the instance group kind
     device_ids: list[int] = field(default_factory=list)
-    instance_exec_blocks: int = 1
-    device_exec_blocks: int = 1
+    instance_exec_blocks: int = 1  # execution contexts per instance
+    device_exec_blocks: int = 0  # execution contexts per device for the whole group; 0: count x instance blocks
     static_model: bool = False
     dump_graph: bool = False
     dump_data: bool = False
