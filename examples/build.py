@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_digits import build as build_digits
 from build_efficientnet import build as build_efficientnet
 from build_minilm import build as build_minilm
+from build_pipelines import build_image_pipeline, build_ocr_pipeline, build_text_embedding
 from build_resnet50 import build as build_resnet50
 from build_resnet50 import build_mlp
 
@@ -28,6 +29,10 @@ BUILDERS: dict[str, Callable[[Path, Path], Path]] = {
     "minilm": build_minilm,
     "resnet50": build_resnet50,
     "mlp": build_mlp,
+    # ensembles of Python and GE models (examples/pipelines/); each also builds the GE models it uses
+    "image_pipeline": build_image_pipeline,
+    "text_embedding": build_text_embedding,
+    "ocr_pipeline": build_ocr_pipeline,
 }
 
 

