@@ -71,11 +71,7 @@ def test_statistics_count_failures_by_reason_and_feed_an_observer() -> None:
     assert stats.as_json("m", "1")["inference_stats"]["fail"]["count"] == 2
 
     config = MetricsConfig(summary_latencies=True, histogram_latencies=True)
-    ModelStatistics.observer_factory = lambda: LatencyRecorder(config)
-    try:
-        observed = ModelStatistics()
-    finally:
-        ModelStatistics.observer_factory = None
+    observed = ModelStatistics(LatencyRecorder(config))
     recorder = observed.latency_observer
     assert isinstance(recorder, LatencyRecorder)
     observed.record_request(True, 3_000_000)

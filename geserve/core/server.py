@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
@@ -17,6 +18,7 @@ from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.server import create_http_server
 from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.metrics import MetricsConfig
+from geserve.metrics.latency import LatencyRecorder
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.store import ModelStore
 from geserve.settings import ServerSettings
@@ -39,11 +41,15 @@ class Server:
         self.settings = settings
         self.store = ModelStore(settings.model_repositories)
         registry = BackendRegistry(settings.backend_config)
+        metrics_config = _metrics_config(settings)
         self.manager = ModelManager(
             self.store,
             registry,
             LifecycleOptions(
-                settings.auto_complete_config, devices.default_instance_kind(), settings.inline_execution_us
+                settings.auto_complete_config,
+                devices.default_instance_kind(),
+                settings.inline_execution_us,
+                _latency_observer_factory(settings, metrics_config),
             ),
         )
         self.dataplane = DataPlane(
@@ -58,7 +64,7 @@ class Server:
         self.trace_settings = TraceSettings()
         self._http = None
         self._grpc: GrpcServer | None = None
-        self.metrics = _metrics_service(settings, self.manager) if settings.allow_metrics else None
+        self.metrics = _metrics_service(settings, metrics_config, self.manager) if settings.allow_metrics else None
         self._stopped = asyncio.Event()
 
     async def load_initial_models(self) -> None:
@@ -82,8 +88,6 @@ class Server:
             raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
 
     async def start(self) -> None:
-        if self.metrics is not None:
-            self.metrics.install_observers()
         try:
             await self.load_initial_models()
             if self.metrics is not None:  # up before HTTP, so /metrics answers once the server is live
@@ -149,11 +153,21 @@ class Server:
         await self.stop()
 
 
-def _metrics_service(settings: ServerSettings, manager: ModelManager) -> MetricsService:
+def _metrics_config(settings: ServerSettings) -> MetricsConfig:
     try:
-        config = MetricsConfig.from_pairs(settings.metrics_config)
+        return MetricsConfig.from_pairs(settings.metrics_config)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+
+
+def _latency_observer_factory(settings: ServerSettings, config: MetricsConfig) -> Callable[[], LatencyRecorder] | None:
+    """Summaries and histograms need every request's latency; without them the statistics skip the observer."""
+    if not settings.allow_metrics or not config.observes_latencies:
+        return None
+    return lambda: LatencyRecorder(config)
+
+
+def _metrics_service(settings: ServerSettings, config: MetricsConfig, manager: ModelManager) -> MetricsService:
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
     options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms,
                              settings.allow_cpu_metrics, config)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from geserve.errors import ErrorCode
 
@@ -60,13 +59,13 @@ class BatchStats:
 
 
 class ModelStatistics:
-    """Updated from worker threads and the event loop alike, so every update takes the lock."""
+    """Updated from worker threads and the event loop alike, so every update takes the lock.
 
-    # Set by the metrics service when latency summaries or histograms are configured; None (the default)
-    # leaves `latency_observer` None, and the hot path pays one attribute test.
-    observer_factory: ClassVar[Callable[[], LatencyObserver] | None] = None
+    `latency_observer` is given only when latency summaries or histograms are configured; without one the hot
+    path pays one attribute test.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, latency_observer: LatencyObserver | None = None) -> None:
         self._lock = threading.Lock()
         self.success = Duration()
         self.fail = Duration()
@@ -79,8 +78,7 @@ class ModelStatistics:
         self.last_inference_ms = 0
         self.batches: dict[int, BatchStats] = {}
         self.fail_by_reason: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
-        factory = ModelStatistics.observer_factory
-        self.latency_observer: LatencyObserver | None = factory() if factory is not None else None
+        self.latency_observer = latency_observer
 
     def record_request(self, ok: bool, duration_ns: int, reason: str | None = None) -> None:
         """One request done. A failure's `reason` (FAILURE_REASONS) defaults to the reason of the exception

@@ -11,10 +11,8 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from geserve.core.statistics import ModelStatistics
 from geserve.frontends.http.native_server import NativeHttpServer
 from geserve.metrics import CONTENT_TYPE, MetricsConfig, build_registry, render
-from geserve.metrics.latency import LatencyRecorder
 from geserve.metrics.system import CpuSampler
 from geserve.repository.lifecycle import ModelManager
 
@@ -73,16 +71,6 @@ class MetricsService:
         self._http_task: asyncio.Task | None = None
         self._sampler: asyncio.Task | None = None
 
-    def install_observers(self) -> None:
-        """Before models load: latency summaries / histograms need each model's per-request observations."""
-        config = self.options.config
-        if not config.observes_latencies:
-            return
-        ModelStatistics.observer_factory = lambda: LatencyRecorder(config)
-        for model in self._manager.models():
-            if model.statistics.latency_observer is None:
-                model.statistics.latency_observer = LatencyRecorder(config)
-
     async def start(self) -> None:
         """Bind the endpoint; as in Triton, a port that cannot be bound stops the server from starting."""
         address, port = self.options.address, self.options.port
@@ -115,5 +103,3 @@ class MetricsService:
             self._http.should_exit = True
             await self._http_task
         self._http = self._http_task = self._sampler = None
-        if self.options.config.observes_latencies:
-            ModelStatistics.observer_factory = None

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from geserve import devices
 from geserve.backends.base import ModelSource
 from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
-from geserve.core.statistics import ModelStatistics
+from geserve.core.statistics import LatencyObserver, ModelStatistics
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
 from geserve.repository.model import LoadedModel, ModelState, VersionStatus, tensor_specs
 from geserve.repository.store import ModelStore, available_versions, select_versions
@@ -44,6 +45,12 @@ class LifecycleOptions:
     auto_complete: bool = True
     default_instance_kind: int = devices.KIND_CPU
     inline_execution_us: int = 0
+    # Per-model latency observer for the metrics' summaries / histograms; None when none are configured.
+    latency_observer_factory: Callable[[], LatencyObserver] | None = None
+
+    def new_statistics(self) -> ModelStatistics:
+        factory = self.latency_observer_factory
+        return ModelStatistics(factory() if factory is not None else None)
 
 
 class ModelManager:
@@ -204,7 +211,7 @@ class ModelManager:
             backend = self._registry.backend_for(config)
             instances = await asyncio.to_thread(backend.create_instances, config, source)
             labels = await asyncio.to_thread(_read_labels, config, model_dir)
-            statistics = ModelStatistics()
+            statistics = self._options.new_statistics()
             pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
             scheduler = create_scheduler(config, pool)
         except GeserveError as exc:
