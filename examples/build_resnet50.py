@@ -75,13 +75,26 @@ def _resnet50() -> Any:
     return model
 
 
+def _export_checked(model: Any, example: Any, onnx_path: Path, tolerance: float) -> Any:
+    """Export with a dynamic batch axis (input -> logits) and check ONNX Runtime agrees with torch."""
+    import numpy as np
+    import torch
+
+    export_onnx(model, (example,), onnx_path, ["input"], ["logits"], {"input": {0: "batch"}, "logits": {0: "batch"}})
+    with torch.no_grad():
+        expected = model(example).numpy()
+    (logits,) = run_onnx(onnx_path, {"input": example.numpy()})
+    difference = np.abs(logits - expected).max()
+    assert np.allclose(logits, expected, rtol=tolerance, atol=tolerance), f"ONNX differs by {difference}"
+    return logits
+
+
 def build(repository: Path, data_dir: Path) -> Path:
     model_dir = repository / "resnet50"
     digest = source_digest(__file__)
     if is_built(model_dir, digest):
         return model_dir
 
-    import numpy as np
     import torch
 
     torch.manual_seed(SEED)
@@ -97,12 +110,7 @@ def build(repository: Path, data_dir: Path) -> Path:
     model.eval()
 
     onnx_path = model_dir / "1" / "model.onnx"
-    example = torch.randn(2, 3, 224, 224)
-    export_onnx(model, (example,), onnx_path, ["input"], ["logits"], {"input": {0: "batch"}, "logits": {0: "batch"}})
-    with torch.no_grad():
-        expected = model(example).numpy()
-    (logits,) = run_onnx(onnx_path, {"input": example.numpy()})
-    assert np.allclose(logits, expected, rtol=1e-3, atol=1e-3), f"ONNX differs by {np.abs(logits - expected).max()}"
+    logits = _export_checked(model, torch.randn(2, 3, 224, 224), onnx_path, tolerance=1e-3)
     write_model(model_dir, RESNET_CONFIG, digest)
     print(f"resnet50: exported {onnx_path.stat().st_size / 1e6:.1f} MB; logits std {logits.std():.3f}")
     return model_dir
@@ -114,19 +122,13 @@ def build_mlp(repository: Path, data_dir: Path) -> Path:
     if is_built(model_dir, digest):
         return model_dir
 
-    import numpy as np
     import torch
     from torch import nn
 
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     onnx_path = model_dir / "1" / "model.onnx"
-    example = torch.randn(4, 256)
-    export_onnx(model, (example,), onnx_path, ["input"], ["logits"], {"input": {0: "batch"}, "logits": {0: "batch"}})
-    with torch.no_grad():
-        expected = model(example).numpy()
-    (logits,) = run_onnx(onnx_path, {"input": example.numpy()})
-    assert np.allclose(logits, expected, atol=1e-5), f"ONNX differs by {np.abs(logits - expected).max()}"
+    _export_checked(model, torch.randn(4, 256), onnx_path, tolerance=1e-5)
     write_model(model_dir, MLP_CONFIG, digest)
     print(f"mlp: exported {onnx_path.stat().st_size / 1e6:.1f} MB")
     return model_dir
