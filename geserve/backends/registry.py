@@ -6,8 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from geserve.backends.base import Backend, BackendSettings, InferenceHost
+from geserve.backends.ensemble import EnsembleBackend
 from geserve.backends.ge import GeBackend
 from geserve.config import ModelConfig
+from geserve.config.ensemble import ENSEMBLE_PLATFORM
 from geserve.errors import InvalidArgumentError
 
 # backend name -> factory; every GE dialect also reads `--backend-config=ge,...`
@@ -15,9 +17,10 @@ _BACKENDS: dict[str, Callable[[BackendSettings, InferenceHost], Backend]] = {
     "ge": lambda settings, _host: GeBackend(settings),
     "npu_ge": lambda settings, _host: GeBackend(settings),
     "onnxruntime": lambda settings, _host: GeBackend(settings),
+    "ensemble": EnsembleBackend,
 }
-# platform -> backend, as Triton pairs them
-_PLATFORMS = {"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime"}
+# platform -> backend, as Triton pairs them; an ensemble keeps its `backend` empty, as Triton prints it
+_PLATFORMS = {"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime", ENSEMBLE_PLATFORM: "ensemble"}
 _DETECTABLE = {"model.onnx": ("onnxruntime_onnx", "onnxruntime")}
 
 
@@ -47,6 +50,8 @@ class BackendRegistry:
                     if (version_dir / (config.default_model_filename or filename)).exists():
                         config.platform, config.backend = platform, backend
                         return
+        if config.platform == ENSEMBLE_PLATFORM:
+            return
         if config.platform and not config.backend:
             backend = _PLATFORMS.get(config.platform)
             if backend is None:
@@ -59,7 +64,7 @@ class BackendRegistry:
             config.platform = "onnxruntime_onnx"
 
     def backend_for(self, config: ModelConfig) -> Backend:
-        name = config.backend
+        name = config.backend or (ENSEMBLE_PLATFORM if config.platform == ENSEMBLE_PLATFORM else "")
         if not name:
             raise InvalidArgumentError(
                 f"model '{config.name}' names no 'backend' or 'platform', and none could be detected from its files"

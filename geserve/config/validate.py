@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2
 
+from geserve.config.ensemble import is_ensemble, validate_ensemble_graph
 from geserve.errors import InvalidArgumentError
 
 ModelConfig = model_config_pb2.ModelConfig
@@ -15,6 +16,10 @@ def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model
         config.default_model_filename = default_model_filename
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
+    if is_ensemble(config):
+        # As in Triton: no instances and no optimization settings of its own; the transaction policy is printed.
+        config.model_transaction_policy.SetInParent()
+        return
     if not config.instance_group:
         config.instance_group.add().name = config.name  # Triton names its default group after the model
     for index, group in enumerate(config.instance_group):
@@ -58,6 +63,7 @@ def validate(config: ModelConfig, model_dir_name: str) -> None:
     policy = config.version_policy
     if policy.HasField("latest") and policy.latest.num_versions < 1:
         raise InvalidArgumentError(f"version_policy.latest.num_versions must be >= 1 for {config.name}")
+    validate_ensemble_graph(config)
 
 
 def _validate_tensor(config: ModelConfig, kind: str, tensor) -> None:

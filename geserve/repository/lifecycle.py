@@ -14,11 +14,14 @@ from geserve import devices
 from geserve.backends.base import ModelSource
 from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
+from geserve.config.ensemble import is_ensemble
 from geserve.core.statistics import LatencyObserver, ModelStatistics
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
+from geserve.repository.dependencies import Dependencies
 from geserve.repository.model import LoadedModel, ModelState, VersionStatus, tensor_specs
 from geserve.repository.store import ModelStore, available_versions, select_versions
 from geserve.scheduling.base import create_scheduler
+from geserve.scheduling.ensemble import EnsemblePlan, EnsembleSetup
 from geserve.scheduling.pool import InstancePool
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class ModelManager:
         self._registry = registry
         self._options = options
         self._records: dict[str, ModelRecord] = {}
+        self._dependencies = Dependencies(self, store)
 
     # ---- the infer path -------------------------------------------------------------------------
 
@@ -140,6 +144,10 @@ class ModelManager:
 
     async def load(self, name: str, config_json: str | None = None) -> None:
         """Load (or reload) a model's versions under its policy; raise naming the reason if any failed."""
+        await self._dependencies.track(name, self._load(name, config_json))
+        await self._dependencies.after_load(name)
+
+    async def _load(self, name: str, config_json: str | None) -> None:
         model_dir = self._store.find(name)
         if model_dir is None:
             raise InternalError(f"failed to load '{name}', failed to poll from model repository")
@@ -159,6 +167,7 @@ class ModelManager:
         previous = {v: s for v, s in record.versions.items() if s.model is not None}
         try:
             config, selected = await asyncio.to_thread(self._prepare, record.name, model_dir, config_json)
+            steps = await self._dependencies.resolve(record.name, config) if is_ensemble(config) else {}
         except GeserveError as exc:
             logger.error("model '%s' is unavailable: %s", record.name, exc.message)
             if previous:  # as in Triton, a failed reload leaves the serving versions in place
@@ -168,7 +177,7 @@ class ModelManager:
             record.refresh_latest()
             return [exc.message]
         record.error = ""
-        loaded = {version: await self._load_version(config, model_dir, version) for version in selected}
+        loaded = {version: await self._load_version(config, model_dir, version, steps) for version in selected}
         failures = [f"version {v}: {s.reason}" for v, s in loaded.items() if s.state is not ModelState.READY]
         for version, status in list(loaded.items()):
             if status.state is not ModelState.READY and version in previous:
@@ -203,7 +212,9 @@ class ModelManager:
             )
         return config, selected
 
-    async def _load_version(self, config: ModelConfig, model_dir: Path, version: int) -> VersionStatus:
+    async def _load_version(
+        self, config: ModelConfig, model_dir: Path, version: int, steps: dict[str, ModelConfig]
+    ) -> VersionStatus:
         source = ModelSource(model_dir, version)
         if not source.version_dir.is_dir():
             return VersionStatus(ModelState.UNAVAILABLE, f"version folder {source.version_dir} not found")
@@ -212,8 +223,12 @@ class ModelManager:
             instances = await asyncio.to_thread(backend.create_instances, config, source)
             labels = await asyncio.to_thread(_read_labels, config, model_dir)
             statistics = self._options.new_statistics()
-            pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
-            scheduler = create_scheduler(config, pool)
+            if is_ensemble(config):  # no instances: the steps run on their own models
+                setup = EnsembleSetup(EnsemblePlan.build(config, steps), self._registry.host, statistics)
+                scheduler = create_scheduler(config, None, setup)
+            else:
+                pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
+                scheduler = create_scheduler(config, pool)
         except GeserveError as exc:
             logger.error("model '%s' version %d is unavailable: %s", config.name, version, exc.message)
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)
@@ -254,6 +269,7 @@ class ModelManager:
         record = self._records.get(name)
         if record is None:
             return  # as in Triton, unloading what is not loaded succeeds
+        await self._dependencies.before_unload(name)
         async with record.lock:
             await self._unload_locked(record)
 

@@ -46,6 +46,9 @@ class InferenceRequest:
     timeout_us: int = 0
     # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
+    # Set on an ensemble's step requests: the compute (input, infer, output ns) of each batch this request runs
+    # in is added here, so the ensemble reports the compute of its steps, as Triton's does.
+    compute_sink: list[int] | None = None
 
 
 @dataclass(slots=True)
