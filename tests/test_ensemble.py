@@ -218,7 +218,7 @@ def test_dynamic_batching_applies_in_each_step(server: RunningServer) -> None:
 def test_a_failing_step_fails_the_ensemble_with_its_error(server: RunningServer) -> None:
     short = np.ones((1, 8), np.int32)
     with pytest.raises(InferenceServerException) as caught:
-        _http_chain(server, "pipeline_fail", short, short)
+        _http_chain(server, "pipeline_fail", short, B)
     assert caught.value.status() == "400"
     assert caught.value.message() == (
         "in ensemble 'pipeline_fail', [request id: <id_unknown>] unexpected shape for input 'INPUT0' for model "
@@ -228,7 +228,7 @@ def test_a_failing_step_fails_the_ensemble_with_its_error(server: RunningServer)
         "configuration docs for more info on max_batch_size."
     )
     with grpcclient.InferenceServerClient(server.grpc_url) as client, pytest.raises(InferenceServerException) as err:
-        client.infer("pipeline_fail", _ab_inputs(grpcclient, short, short))
+        client.infer("pipeline_fail", _ab_inputs(grpcclient, short, B))
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "in ensemble 'pipeline_fail'" in err.value.message()
     result = _http_chain(server, "pipeline_fail", A, B)  # the server and the pipeline serve on
     np.testing.assert_array_equal(result.as_numpy("SUM"), A + B)

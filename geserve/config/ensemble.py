@@ -53,7 +53,7 @@ def validate_ensemble_graph(config: ModelConfig) -> None:
         for field in ("model_name", "input_map", "output_map"):
             if not getattr(step, field):
                 raise _error(f"must specify '{field}' in step {index} of ensemble '{name}'")
-        for tensor in step.output_map.values():
+        for _, tensor in sorted(step.output_map.items()):  # protobuf maps have no order: messages need one
             if tensor in producer:
                 raise _error(
                     f"ensemble tensor '{tensor}' can appear in an output map only once for ensemble '{name}' "
@@ -67,7 +67,7 @@ def validate_ensemble_graph(config: ModelConfig) -> None:
             f"{producer[tensor]} (model '{steps[producer[tensor]].model_name}')"
         )
     for index, step in enumerate(steps):
-        for tensor in step.input_map.values():
+        for _, tensor in sorted(step.input_map.items()):
             if tensor not in inputs and tensor not in producer:
                 raise _error(
                     f"in ensemble '{name}', step {index} (model '{step.model_name}') reads ensemble tensor "
@@ -175,7 +175,7 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
             )
         step_batching = model.max_batch_size > 0
         model_inputs = {t.name: t for t in model.input}
-        for model_input, tensor in step.input_map.items():
+        for model_input, tensor in sorted(step.input_map.items()):
             if model_input not in model_inputs:
                 raise _error(
                     f"in ensemble {name}, ensemble tensor {tensor} is mapping to non-existing input {model_input} "
@@ -195,7 +195,7 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
             if known is not node:
                 _check_consistent(name, tensor, known, node)
         model_outputs = {t.name: t for t in model.output}
-        for model_output, tensor in step.output_map.items():
+        for model_output, tensor in sorted(step.output_map.items()):
             output = model_outputs.get(model_output)
             if output is None:
                 raise _error(

@@ -169,7 +169,7 @@ class EnsembleScheduler:
     async def _run(self, request: InferenceRequest) -> InferenceResponse:
         plan = self._plan
         enqueued = time.monotonic_ns()
-        wanted = plan.outputs if request.outputs is None else tuple(dict.fromkeys(o.name for o in request.outputs))
+        wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
         needed = plan.needed_steps(frozenset(wanted))
         batch = request.batch_size if plan.batching else 0
         values: dict[str, _Value] = {t.name: (t, batch) for t in request.inputs}
