@@ -56,6 +56,13 @@ def _repository(repo: Path) -> Path:
                  [("SUM", "TYPE_INT32", (-1,)), ("DIFF", "TYPE_INT32", (-1,))],
                  [Step("identity_int32", {"INPUT0": "A"}, {"OUTPUT0": "a"}),
                   add_sub_step("add_sub_fail", "a", "B", "SUM", "DIFF")]),
+        # An ensemble as a step of another (pinned to version 1), and two ensembles that use each other.
+        Ensemble("nested", AB, [("SUM", *INT16), ("DIFF", *INT16)],
+                 [Step("chain", {"A": "A", "B": "B"}, {"SUM": "SUM", "DIFF": "DIFF"}, version=1)]),
+        Ensemble("loop_a", AB, [("SUM", *INT16), ("DIFF", *INT16)],
+                 [Step("loop_b", {"A": "A", "B": "B"}, {"SUM": "SUM", "DIFF": "DIFF"})]),
+        Ensemble("loop_b", AB, [("SUM", *INT16), ("DIFF", *INT16)],
+                 [Step("loop_a", {"A": "A", "B": "B"}, {"SUM": "SUM", "DIFF": "DIFF"})]),
         Ensemble("bad_cycle", AB, [("SUM", *INT16), ("DIFF", *INT16)], [
             add_sub_step("add_sub", "A", "x", "s", "d"),
             add_sub_step("add_sub", "s", "d", "x", "DIFF"),
@@ -141,6 +148,15 @@ def test_chain_over_http_and_grpc(server: RunningServer) -> None:
         metadata = client.get_model_metadata("chain", as_json=True)
     assert metadata["platform"] == "ensemble"
     assert [(i["name"], i["shape"]) for i in metadata["inputs"]] == [("A", ["-1", "16"]), ("B", ["-1", "16"])]
+
+
+def test_an_ensemble_can_be_a_step(server: RunningServer) -> None:
+    before = _stats(server, "chain")["execution_count"]
+    result = _http_chain(server, "nested", A, B)
+    np.testing.assert_array_equal(result.as_numpy("SUM"), 2 * A)
+    assert _stats(server, "chain")["execution_count"] == before + 1
+    nested = _stats(server, "nested")
+    assert nested["execution_count"] == 1 and nested["inference_stats"]["compute_infer"]["ns"] > 0
 
 
 def test_config_and_metadata_have_tritons_shape(server: RunningServer) -> None:
@@ -295,6 +311,11 @@ BAD = {
 
 def test_bad_ensembles_are_unavailable_with_reasons(server: RunningServer) -> None:
     index = _index(server)
+    for name in ("loop_a", "loop_b"):  # which of the two finds the cycle depends on which loads first
+        assert index[name]["state"] == "UNAVAILABLE"
+        assert "circular dependency between ensembles: loop_" in index[name]["reason"]
+    status, body = _post(server, "/v2/repository/models/loop_a/load")  # refused, not deadlocked
+    assert status == 400 and "circular dependency between ensembles: loop_" in body["error"]
     assert {name: (index[name]["state"], index[name]["reason"]) for name in BAD} == {
         name: ("UNAVAILABLE", reason) for name, reason in BAD.items()
     }

@@ -177,42 +177,8 @@ class EnsembleScheduler:
             values.setdefault(name, (None, batch))
         waiting = {i: sum(1 for t in plan.steps[i].reads if t not in values) for i in needed}
         sink = [0, 0, 0]
-        tasks: dict[asyncio.Task, StepPlan] = {}
-
-        def launch(index: int) -> None:
-            step = plan.steps[index]
-            tasks[asyncio.ensure_future(self._run_step(step, request, values, sink))] = step
-
-        for index, count in waiting.items():
-            if count == 0:
-                launch(index)
         started = time.monotonic_ns()
-        error: BaseException | None = None
-        try:
-            while tasks:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    tasks.pop(task)
-                    if task.exception() is not None:
-                        error = error or task.exception()
-                        continue
-                    if error is not None:
-                        continue  # no new steps once one failed; the ones in flight are waited for
-                    for tensor, value in task.result().items():
-                        values[tensor] = value
-                        for index in plan.consumers.get(tensor, ()):
-                            if index in waiting:
-                                waiting[index] -= 1
-                                if waiting[index] == 0:
-                                    launch(index)
-        except BaseException:
-            # The ensemble request itself was cancelled: its steps go with it.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        if error is not None:
-            raise _in_ensemble(plan.name, error)
+        await self._execute(request, values, waiting, sink)
         outputs = []
         for name in wanted:
             tensor, made_with = values.get(name, (None, 0))
@@ -227,6 +193,56 @@ class EnsembleScheduler:
             for k in range(3):
                 request.compute_sink[k] += sink[k]
         return InferenceResponse(request.model_name, request.model_version, outputs, id=request.id)
+
+    async def _execute(
+        self, request: InferenceRequest, values: dict[str, _Value], waiting: dict[int, int], sink: list[int]
+    ) -> None:
+        """Start each step once its inputs exist; raise the first step error once no step is in flight."""
+        plan = self._plan
+        ready = [index for index, count in waiting.items() if count == 0]
+        tasks: dict[asyncio.Task, int] = {}
+        error: BaseException | None = None
+
+        def produced(result: dict[str, _Value]) -> None:
+            for tensor, value in result.items():
+                values[tensor] = value
+                for index in plan.consumers.get(tensor, ()):
+                    if index in waiting:
+                        waiting[index] -= 1
+                        if waiting[index] == 0:
+                            ready.append(index)
+
+        try:
+            while ready or tasks:
+                if len(ready) == 1 and not tasks:
+                    # One step and none in flight (a chain): awaited here, without a task to schedule.
+                    try:
+                        result = await self._run_step(plan.steps[ready.pop()], request, values, sink)
+                    except Exception as exc:
+                        error = exc
+                        break
+                    produced(result)
+                    continue
+                for index in ready:
+                    tasks[asyncio.ensure_future(self._run_step(plan.steps[index], request, values, sink))] = index
+                ready.clear()
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    del tasks[task]
+                    if task.exception() is not None:
+                        error = error or task.exception()
+                    elif error is None:
+                        produced(task.result())
+                if error is not None:
+                    ready.clear()  # no new steps once one failed; the ones in flight are waited for
+        except BaseException:
+            # The ensemble request itself was cancelled: its steps go with it.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if error is not None:
+            raise _in_ensemble(plan.name, error)
 
     async def _run_step(
         self, step: StepPlan, request: InferenceRequest, values: dict[str, _Value], sink: list[int]
