@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Protocol
 from geserve.config import ModelConfig
 from geserve.errors import GeserveError
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types.streams import StreamResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +44,12 @@ class InferenceHost(Protocol):
         """Run `request` on its model (validation, scheduler, statistics), as a frontend would."""
         ...
 
-    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
-        """Every response of a decoupled model to `request`, the last one flagged final."""
+    # The event loop `infer` runs on, for calls made from other threads (a Python model's BLS requests).
+    loop: asyncio.AbstractEventLoop | None
+
+    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
+        """Every response of `request` as it is sent (any number for a decoupled model, one otherwise), the
+        last one flagged final; faults found before the model runs are raised, later ones come as items."""
         ...
 
 

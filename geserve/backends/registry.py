@@ -8,6 +8,7 @@ from pathlib import Path
 from geserve.backends.base import Backend, BackendSettings, InferenceHost
 from geserve.backends.ensemble import EnsembleBackend
 from geserve.backends.ge import GeBackend
+from geserve.backends.python import PythonBackend
 from geserve.config import ModelConfig
 from geserve.config.ensemble import ENSEMBLE_PLATFORM
 from geserve.errors import InvalidArgumentError
@@ -18,10 +19,11 @@ _BACKENDS: dict[str, Callable[[BackendSettings, InferenceHost], Backend]] = {
     "npu_ge": lambda settings, _host: GeBackend(settings),
     "onnxruntime": lambda settings, _host: GeBackend(settings),
     "ensemble": EnsembleBackend,
+    "python": PythonBackend,
 }
 # platform -> backend, as Triton pairs them; an ensemble keeps its `backend` empty, as Triton prints it
 _PLATFORMS = {"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime", ENSEMBLE_PLATFORM: "ensemble"}
-_DETECTABLE = {"model.onnx": ("onnxruntime_onnx", "onnxruntime")}
+_DETECTABLE = {"model.onnx": ("onnxruntime_onnx", "onnxruntime"), "model.py": ("", "python")}
 
 
 class BackendRegistry:
@@ -47,7 +49,10 @@ class BackendRegistry:
         if not config.platform and not config.backend:
             for version_dir in sorted(p for p in model_dir.iterdir() if p.name.isdigit()):
                 for filename, (platform, backend) in _DETECTABLE.items():
-                    if (version_dir / (config.default_model_filename or filename)).exists():
+                    named = config.default_model_filename  # a named file counts for the kind its suffix says
+                    if named and Path(named).suffix != Path(filename).suffix:
+                        continue
+                    if (version_dir / (named or filename)).exists():
                         config.platform, config.backend = platform, backend
                         return
         if config.platform == ENSEMBLE_PLATFORM:

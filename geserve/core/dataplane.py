@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from geserve.config import message_to_json_dict
 from geserve.core.classification import classify
 from geserve.core.validation import prepare
-from geserve.errors import GeserveError, InvalidArgumentError, UnavailableError
+from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError, UnsupportedError
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.version import __version__
 
 SERVER_NAME = "geserve"
@@ -36,6 +39,8 @@ class DataPlane:
         self._explicit = explicit_control
         self._strict = strict_readiness
         self.accepting = True
+        # Set by the server once it runs: where calls from other threads (Python models' BLS) are scheduled.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # ---- health and metadata ----------------------------------------------------------------------
 
@@ -79,6 +84,10 @@ class DataPlane:
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         model = self._manager.get(request.model_name, request.model_version)
+        if model.decoupled:
+            raise UnsupportedError(
+                f"model '{model.name}' uses the decoupled transaction policy: its responses can only be streamed"
+            )
         started = time.monotonic_ns()
         prepare(model, request)  # a request the model never sees is no failure of the model's (Triton's stats)
         try:
@@ -91,6 +100,31 @@ class DataPlane:
         model.statistics.record_request(True, time.monotonic_ns() - started)
         response.model_version = str(model.version)
         return response
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
+        """Each response of `request` as the model sends it, the last flagged final (see InferenceHost)."""
+        model = self._manager.get(request.model_name, request.model_version)
+        if not model.decoupled:
+            yield StreamResponse(await self.infer(request), final=True)
+            return
+        started = time.monotonic_ns()
+        prepare(model, request)
+        stream = ResponseStream(asyncio.get_running_loop())
+        request.responses = stream
+        execution = asyncio.ensure_future(model.scheduler.enqueue(request))
+        execution.add_done_callback(lambda done: _fail_unfinished(stream, done))
+        version = str(model.version)
+        succeeded = False
+        try:
+            async for item in stream:
+                if item.response is not None:
+                    item.response.model_version = version
+                succeeded = item.error is None
+                yield item
+        finally:
+            if not stream.final_sent:
+                stream.cancelled = True  # the reader left early: the model's senders see is_cancelled()
+            model.statistics.record_request(succeeded, time.monotonic_ns() - started)
 
     # ---- repository and statistics ----------------------------------------------------------------
 
@@ -122,6 +156,16 @@ class DataPlane:
         else:
             models = sorted(self._manager.models(), key=lambda m: (m.name, m.version))
         return {"model_stats": [m.statistics.as_json(m.name, str(m.version)) for m in models]}
+
+
+def _fail_unfinished(stream: ResponseStream, execution: asyncio.Future) -> None:
+    """A request the scheduler failed (timeout, unload, a crashed execution) ends its stream with the error."""
+    if execution.cancelled():
+        stream.fail(UnavailableError("the request was cancelled before its model answered"))
+        return
+    error = execution.exception()
+    if error is not None:
+        stream.fail(error if isinstance(error, GeserveError) else InternalError(f"execution failed: {error}"))
 
 
 def _apply_classification(model: LoadedModel, request: InferenceRequest, response: InferenceResponse) -> None:

@@ -88,6 +88,7 @@ class Server:
             raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
 
     async def start(self) -> None:
+        self.dataplane.loop = asyncio.get_running_loop()
         try:
             await self.load_initial_models()
             if self.metrics is not None:  # up before HTTP, so /metrics answers once the server is live

@@ -242,6 +242,7 @@ class ModelManager:
             outputs=tensor_specs(config.output),
             labels=labels,
             input_order=tuple(t.name for t in config.input),
+            decoupled=config.model_transaction_policy.decoupled,
         )
         logger.info("successfully loaded '%s' version %d", config.name, version)
         return VersionStatus(ModelState.READY, "", model)

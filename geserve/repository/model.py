@@ -41,6 +41,8 @@ class LoadedModel:
     outputs: dict[str, TensorSpec]
     labels: dict[str, list[str]] = field(default_factory=dict)
     input_order: tuple[str, ...] = ()
+    # model_transaction_policy.decoupled: any number of responses per request, served by infer_stream only
+    decoupled: bool = False
 
     @property
     def max_batch_size(self) -> int:

@@ -49,6 +49,9 @@ class InferenceRequest:
     # Set on an ensemble's step requests: the compute (input, infer, output ns) of each batch this request runs
     # in is added here, so the ensemble reports the compute of its steps, as Triton's does.
     compute_sink: list[int] | None = None
+    # Set by the data plane for a decoupled model: its ResponseStream (geserve.types.streams), where the backend
+    # sends each response as the model produces it.
+    responses: Any = None
 
 
 @dataclass(slots=True)

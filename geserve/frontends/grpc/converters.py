@@ -91,6 +91,9 @@ class DecodedRequest:
     request: InferenceRequest
     deferred: GeserveError | None = None  # a fault Triton's core finds: raise it once the core's checks pass
     output_regions: dict[str, Location] | None = None  # outputs to write into shared memory
+    # `triton_enable_empty_final_response`: a decoupled model's final flag sent alone reaches the client as an
+    # empty response (else it is not sent at all, as in Triton)
+    empty_final: bool = False
 
 
 def _prefix(request: InferenceRequest) -> str:
@@ -102,7 +105,7 @@ def from_model_infer_request(message: pb.ModelInferRequest, shm: SharedMemoryReg
     request = InferenceRequest(model, from_version(message.model_version), [], id=message.id)
     decoded = DecodedRequest(request)
     if len(message.parameters):
-        _apply_request_parameters(request, message.parameters)
+        decoded.empty_final = _apply_request_parameters(request, message.parameters)
     raw = message.raw_input_contents
     deferred: GeserveError | None = None
     inputs = request.inputs
@@ -143,8 +146,10 @@ def from_model_infer_request(message: pb.ModelInferRequest, shm: SharedMemoryReg
     return decoded
 
 
-def _apply_request_parameters(request: InferenceRequest, parameters: Any) -> None:
+def _apply_request_parameters(request: InferenceRequest, parameters: Any) -> bool:
+    """Set the request's priority, timeout and parameters; True when it enables empty final responses."""
     values: dict[str, Any] = {}
+    empty_final = False
     for key, parameter in parameters.items():
         kind = parameter.WhichOneof("parameter_choice")
         value = getattr(parameter, kind) if kind else None
@@ -166,6 +171,7 @@ def _apply_request_parameters(request: InferenceRequest, parameters: Any) -> Non
                     "parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
                     f"starting with 'triton_' are allowed: {', '.join(_ALLOWED_TRITON_KEYS)}"
                 )
+            empty_final = bool(value)
             continue
         elif kind not in _PASS_THROUGH_KINDS:
             raise InvalidArgumentError(
@@ -173,6 +179,7 @@ def _apply_request_parameters(request: InferenceRequest, parameters: Any) -> Non
             )
         values[key] = value
     request.parameters = values
+    return empty_final
 
 
 def _shm_location(parameters: Any, tensor: str) -> Location | None:
@@ -336,11 +343,12 @@ def to_model_infer_response(
 
 
 def to_stream_response(
-    response: InferenceResponse, decoded: DecodedRequest, shm: SharedMemoryRegistry
+    response: InferenceResponse, decoded: DecodedRequest, shm: SharedMemoryRegistry, final: bool = True
 ) -> pb.ModelStreamInferResponse:
+    """Triton flags each streamed response: `triton_final_response` true on the last one of its request."""
     message = pb.ModelStreamInferResponse()
     to_model_infer_response(response, decoded, shm, message.infer_response)
-    message.infer_response.parameters["triton_final_response"].bool_param = True
+    message.infer_response.parameters["triton_final_response"].bool_param = final
     return message
 
 

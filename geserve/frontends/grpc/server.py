@@ -21,6 +21,7 @@ from geserve.errors import GeserveError, InternalError, InvalidArgumentError, No
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
+from geserve.repository.model import LoadedModel
 from geserve.types import InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -109,39 +110,61 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- inference ----------------------------------------------------------------------------------
 
-    async def _infer(self, message: pb.ModelInferRequest) -> tuple[convert.DecodedRequest, InferenceResponse]:
+    def _model(self, message: pb.ModelInferRequest) -> LoadedModel:
         # The model first, as Triton: an unknown one is NOT_FOUND whatever the request holds.
-        model = self._dataplane.model(message.model_name, convert.from_version(message.model_version))
+        return self._dataplane.model(message.model_name, convert.from_version(message.model_version))
+
+    def _decode(self, model: LoadedModel, message: pb.ModelInferRequest) -> convert.DecodedRequest:
         decoded = convert.from_model_infer_request(message, self._shm)
         if decoded.deferred is not None:
             prepare(model, decoded.request)  # the core's checks come first in Triton's order
             raise decoded.deferred
-        return decoded, await self._dataplane.infer(decoded.request)
+        return decoded
 
     @_rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        decoded, response = await self._infer(request)
+        model = self._model(request)
+        if model.decoupled:
+            raise UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy")
+        decoded = self._decode(model, request)
+        response = await self._dataplane.infer(decoded.request)
         return convert.to_model_infer_response(response, decoded, self._shm)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> None:
         """Every request runs as soon as it arrives; responses go out as they complete, errors in-band
-        (`error_message`) unless the client sent `triton_grpc_error: true`, which ends the stream instead."""
+        (`error_message`) unless the client sent `triton_grpc_error: true`, which ends the stream instead.
+        A decoupled model's responses go out one by one as it sends them, `triton_final_response` true on the
+        last; its final flag sent alone becomes an empty response only if the request enabled that."""
         strict = any(k == STRICT_STREAM_HEADER and v == "true" for k, v in context.invocation_metadata() or ())
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
+        def fault(error: GeserveError, message: pb.ModelInferRequest) -> None:
+            queue.put_nowait(error if strict else convert.to_stream_error(error, message.id))
+
         async def answer(message: pb.ModelInferRequest) -> None:
             try:
-                decoded, response = await self._infer(message)
-                queue.put_nowait(convert.to_stream_response(response, decoded, self._shm))
+                model = self._model(message)
+                decoded = self._decode(model, message)
+                if not model.decoupled:
+                    response = await self._dataplane.infer(decoded.request)
+                    queue.put_nowait(convert.to_stream_response(response, decoded, self._shm))
+                    return
+                async for item in self._dataplane.infer_stream(decoded.request):
+                    if item.error is not None:
+                        fault(item.error, message)
+                    elif item.response is not None:
+                        queue.put_nowait(convert.to_stream_response(item.response, decoded, self._shm, item.final))
+                    elif decoded.empty_final:
+                        empty = InferenceResponse(model.name, str(model.version), [], decoded.request.id)
+                        queue.put_nowait(convert.to_stream_response(empty, decoded, self._shm))
             except GeserveError as exc:
-                queue.put_nowait(exc if strict else convert.to_stream_error(exc, message.id))
+                fault(exc, message)
             except Exception as exc:
                 logger.exception("unhandled error serving a streamed request")
-                error = InternalError(f"internal error: {exc}")
-                queue.put_nowait(error if strict else convert.to_stream_error(error, message.id))
+                fault(InternalError(f"internal error: {exc}"), message)
 
         async def read() -> None:
             try:

@@ -266,6 +266,8 @@ class HttpFrontend:
             model = self._dataplane.model(name, version)  # the data plane looks again: a reload may swap it
         except NotFoundError as exc:
             return 404, _error_body(exc.message), _TEXT, []
+        if model.decoupled:
+            raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy")
         body = await self._read_body(receive, headers)
         header_length = headers.get(b"inference-header-content-length")
         length: int | None = None
