@@ -30,9 +30,10 @@ def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model
         if group.count == 0:
             group.count = 1
     batching = config.dynamic_batching
-    if config.WhichOneof("scheduling_choice") == "dynamic_batching" and not batching.preferred_batch_size:
-        if config.max_batch_size > 0:  # Triton prints the batch size a batch waits for: the largest one
-            batching.preferred_batch_size.append(config.max_batch_size)
+    # Triton prints the batch size a batch waits for when none is given: the largest one.
+    if (config.WhichOneof("scheduling_choice") == "dynamic_batching" and not batching.preferred_batch_size
+            and config.max_batch_size > 0):
+        batching.preferred_batch_size.append(config.max_batch_size)
     if not config.HasField("optimization"):
         config.optimization.input_pinned_memory.enable = True
         config.optimization.output_pinned_memory.enable = True

@@ -13,6 +13,7 @@ import inspect
 import logging
 import threading
 import types
+import weakref
 from collections.abc import Coroutine
 from typing import Any
 
@@ -24,7 +25,7 @@ from geserve.backends.python.messages import (
     InferenceResponseSender,
     TritonModelException,
 )
-from geserve.errors import GeserveError, InternalError
+from geserve.errors import GeserveError, InternalError, UnavailableError
 from geserve.types import InferenceRequest as CoreRequest
 from geserve.types import InferenceResponse as CoreResponse
 from geserve.types.streams import ResponseStream, StreamClosedError, StreamResponse
@@ -75,6 +76,8 @@ class PythonInstance:
         self._decoupled = decoupled
         self._loop_thread: _LoopThread | None = None
         self.model: Any = None
+        # Streams of requests this instance took; those still open at finalize() are ended with an error.
+        self._streams: weakref.WeakSet[ResponseStream] = weakref.WeakSet()
 
     # ---- life cycle ---------------------------------------------------------------------------------
 
@@ -107,6 +110,10 @@ class PythonInstance:
             self.model = None
             self._stop_loop()
             loader.forget(self._module)
+            for stream in list(self._streams):
+                stream.fail(UnavailableError(
+                    f"the Python model instance '{self.name}' was unloaded before it sent its final response"
+                ))
 
     # ---- execution ----------------------------------------------------------------------------------
 
@@ -142,6 +149,7 @@ class PythonInstance:
                 error = InternalError(f"model '{request.model_name}' is decoupled: its requests need a response stream")
                 return [error] * len(requests)
             streams.append(request.responses)
+            self._streams.add(request.responses)
         wrapped = [
             InferenceRequest._incoming(request, self._output_names, self._stream_sender(request, stream))
             for request, stream in zip(requests, streams, strict=True)
