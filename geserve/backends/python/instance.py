@@ -151,7 +151,7 @@ class PythonInstance:
             streams.append(request.responses)
             self._streams.add(request.responses)
         wrapped = [
-            InferenceRequest._incoming(request, self._output_names, self._stream_sender(request, stream))
+            InferenceRequest._incoming(request, self._output_names, self._stream_sender(request, stream), True)
             for request, stream in zip(requests, streams, strict=True)
         ]
         error: GeserveError | None = None
@@ -238,8 +238,8 @@ class PythonInstance:
 
         def abandon() -> None:
             stream.fail(InternalError(
-                f"the Python model '{self.name}' released the response sender of request "
-                f"'{request.id or '<id_unknown>'}' without sending TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+                f"the Python model '{self.name}' let go of request '{request.id or '<id_unknown>'}' (and its "
+                "response sender) without sending TRITONSERVER_RESPONSE_COMPLETE_FINAL"
             ))
 
         return lambda: InferenceResponseSender(deliver, abandon, lambda: stream.cancelled)

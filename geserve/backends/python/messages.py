@@ -302,9 +302,13 @@ class InferenceRequest:
 
     @classmethod
     def _incoming(
-        cls, request: CoreRequest, output_names: list[str], make_sender: Callable[[], InferenceResponseSender]
+        cls,
+        request: CoreRequest,
+        output_names: list[str],
+        make_sender: Callable[[], InferenceResponseSender],
+        decoupled: bool = False,
     ) -> InferenceRequest:
-        wrapped = cls.__new__(cls)
+        wrapped = InferenceRequest.__new__(_DecoupledRequest if decoupled else cls)
         wrapped._model_name = request.model_name
         wrapped._inputs = [Tensor._from_core(t) for t in request.inputs]
         wrapped._requested = output_names if request.outputs is None else [o.name for o in request.outputs]
@@ -317,6 +321,15 @@ class InferenceRequest:
         wrapped._sender = None
         wrapped._make_sender = make_sender
         return wrapped
+
+
+class _DecoupledRequest(InferenceRequest):
+    """A decoupled model's request: dropped without ever taking its sender, it still ends its stream."""
+
+    def __del__(self) -> None:
+        if self._sender is None and self._make_sender is not None:
+            with contextlib.suppress(Exception):
+                self._make_sender()  # unreferenced at once: its own __del__ reports the missing final flag
 
 
 def _drain(get: Callable[[], StreamResponse]) -> Iterator[InferenceResponse]:

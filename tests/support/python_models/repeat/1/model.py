@@ -1,7 +1,8 @@
 """Decoupled: one response per element of IN, sent from a thread after execute() returns, then the final flag.
 
 Special elements: -1 sends an error response in the stream; -2 makes execute() raise; -3 (last) attaches the
-final flag to the previous response instead of sending it alone; -4 stops without ever sending the final flag.
+final flag to the previous response instead of sending it alone; -4 stops without ever sending the final flag;
+-5 makes execute() ignore the request altogether.
 """
 
 import json
@@ -22,6 +23,8 @@ class TritonPythonModel:
             values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().tolist()
             if -2 in values:
                 raise ValueError("repeat was asked to raise")
+            if -5 in values:
+                continue
             thread = threading.Thread(target=self._send, args=(request.get_response_sender(), values))
             thread.start()
             self.threads.append(thread)
