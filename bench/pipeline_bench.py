@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib.util
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import tritonclient.http as httpclient
@@ -28,7 +32,15 @@ import tritonclient.http as httpclient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import Point, ensure_installed, machine, others_share, read_csv_point, versions  # noqa: E402
+from harness import (  # noqa: E402
+    Point,
+    ensure_installed,
+    geserve_session,
+    machine,
+    others_share,
+    read_csv_point,
+    versions,
+)
 
 from geserve.devices import threads_per_instance  # noqa: E402
 from tests.support import reference  # noqa: E402
@@ -62,6 +74,47 @@ def perf_analyzer_input(path: Path) -> Path:
     element = len(photo).to_bytes(4, "little") + photo
     path.write_text(json.dumps({"data": [{"IMAGE": {"b64": base64.b64encode(element).decode()}}]}))
     return path
+
+
+def in_process_chain(threads: int, budget_s: float) -> Point:
+    """The pipeline's three steps called one after the other in one process, no server: what c=1 could reach.
+
+    The steps' own code (the Python models' functions, EfficientNet in a session with geserve's options).
+    """
+    import geserve.backends.python  # noqa: F401 - registers triton_python_backend_utils for the models' imports
+
+    def step(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / name / "1" / "model.py")
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    preprocess, top5 = step("image_preprocess"), step("imagenet_top5")
+    labels = np.array([line.encode() for line in (EXAMPLES / "imagenet_top5" / "labels.txt").read_text().split("\n")
+                       if line], dtype=np.object_)
+    session = geserve_session(EXAMPLES / "efficientnet_lite0" / "1" / "model.onnx", threads)
+    photo = photo_bytes("chelsea")
+
+    def run() -> None:
+        pixels = preprocess.preprocess(photo)[np.newaxis]
+        top5.top_classes(session.run(None, {"input": pixels})[0], labels)
+
+    for _ in range(20):
+        run()
+    samples: list[float] = []
+    stop = time.perf_counter() + budget_s
+    while time.perf_counter() < stop:
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    micros = np.array(samples) * 1e6
+    return Point(len(samples) / sum(samples), float(np.percentile(micros, 50)), float(np.percentile(micros, 99)))
+
+
+def in_child(threads: int, budget_s: float) -> Point:
+    """in_process_chain in a fresh process, so its threads never compete with a server."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(in_process_chain, threads, budget_s).result()
 
 
 def geserve_repository(dest: Path) -> Path:
@@ -113,10 +166,14 @@ def median(points: list[Point]) -> Point:
     return Point(*(statistics.median(getattr(p, f) for p in points) for f in ("throughput", "p50_us", "p99_us")))
 
 
-def report(cells: dict[str, dict[int, list[Point]]], others: dict[str, list[float]], meta: dict[str, object],
-           commands: dict[str, list[str]]) -> tuple[str, list[tuple[str, bool]]]:
+def report(cells: dict[str, dict[int, list[Point]]], chain: list[Point], others: dict[str, list[float]],
+           meta: dict[str, object], commands: dict[str, list[str]]) -> tuple[str, list[tuple[str, bool]]]:
     medians = {system: {c: median(points) for c, points in by_c.items() if points} for system, by_c in cells.items()}
     lines = ["| system | c | infer/s | p50 ms | p99 ms | others' CPU |", "|---|---:|---:|---:|---:|---:|"]
+    if chain:
+        p = median(chain)
+        lines.append(f"| in-process chain, no server | 1 | {p.throughput:.1f} | {p.p50_us / 1000:.2f} "
+                     f"| {p.p99_us / 1000:.2f} | {max(others.get('chain', [0.0])):.0%} |")
     for system in SYSTEMS:
         for c, p in sorted(medians.get(system, {}).items()):
             share = max(others.get(f"{system} c={c}", [0.0]))
@@ -140,7 +197,9 @@ def report(cells: dict[str, dict[int, list[Point]]], others: dict[str, list[floa
         f"{meta['load_before']} before, {meta['load_after']} after. Run time {meta['seconds']:.0f} s: "
         f"`{meta['command']}`\n\n"
         "`image_pipeline`: IMAGE (JPEG bytes) -> image_preprocess (Python, Pillow) -> efficientnet_lite0 -> "
-        "imagenet_top5 (Python). geserve runs the Python steps in-process and EfficientNet on its GE backend; "
+        "imagenet_top5 (Python). The in-process chain calls the three steps' code one after the other in one "
+        "process, without a server (what one request at a time could reach). geserve runs the Python steps "
+        "in-process and EfficientNet on its GE backend; "
         "Triton 2.51 runs the same Python models in its Python-backend stubs and EfficientNet as a Python-backend "
         f"ONNX Runtime model. ONNX Runtime intra-op threads: {meta['ort_threads']} on both.\n\n"
         + "\n".join(lines) + "\n\n## Targets (issue 7)\n\n" + "\n".join(verdicts) + "\n\n"
@@ -159,6 +218,7 @@ def report(cells: dict[str, dict[int, list[Point]]], others: dict[str, list[floa
         "meta": meta,
         "medians": {s: {str(c): asdict(p) for c, p in by_c.items()} for s, by_c in medians.items()},
         "samples": {s: {str(c): [asdict(p) for p in pts] for c, pts in by_c.items()} for s, by_c in cells.items()},
+        "in_process_chain": [asdict(p) for p in chain],
         "others_cpu_share": others,
         "targets": [{"target": t, "passed": ok} for t, ok in targets],
         "commands": commands,
@@ -179,6 +239,7 @@ def main() -> int:
     threads = threads_per_instance(1)
     os.environ[reference.ORT_THREADS_ENV] = str(threads)  # Triton's ONNX Runtime step: geserve's thread count
     cells: dict[str, dict[int, list[Point]]] = {system: {c: [] for c in CONCURRENCIES} for system in SYSTEMS}
+    chain: list[Point] = []
     others: dict[str, list[float]] = {}
     commands: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp, ExitStack() as stack:
@@ -196,6 +257,11 @@ def main() -> int:
         for round_index in range(mode.rounds):
             order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
             print(f"round {round_index + 1}/{mode.rounds}", flush=True)
+            with others_share() as share:
+                chain.append(in_child(threads, mode.window_ms / 1000))
+            others.setdefault("chain", []).append(share[0])
+            print(f"  in-process chain: {chain[-1].throughput:.1f}/s p50 {chain[-1].p50_us / 1000:.2f} ms "
+                  f"(others' CPU {share[0]:.0%})", flush=True)
             for system in order:
                 for c in CONCURRENCIES:
                     with others_share() as share:
@@ -214,7 +280,7 @@ def main() -> int:
         "seconds": time.monotonic() - started, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "image_bytes": len(photo_bytes("chelsea")), "versions": versions(),
     }  # fmt: skip
-    table, targets = report(cells, others, meta, commands)
+    table, targets = report(cells, chain, others, meta, commands)
     print(table)
     return 0 if all(ok for _, ok in targets) else 1
 
