@@ -28,6 +28,7 @@ from types import ModuleType
 
 import numpy as np
 import tritonclient.http as httpclient
+from google.protobuf import text_format
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,6 +51,7 @@ from tests.support.server import geserve  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples" / "model_repository"
 PIPELINE = "image_pipeline"
+MODEL = "efficientnet_lite0"  # the pipeline's GE step
 SYSTEMS = ("geserve", "triton")
 CONCURRENCIES = (1, 8)
 CATS = {"tiger cat", "Egyptian cat", "tabby, tabby cat"}
@@ -117,12 +119,22 @@ def in_child(threads: int, budget_s: float) -> Point:
         return pool.submit(in_process_chain, threads, budget_s).result()
 
 
-def geserve_repository(dest: Path) -> Path:
-    """Links to the pipeline's models in the example repository."""
+def pipeline_repository(dest: Path, batching: bool) -> Path:
+    """Links to the pipeline's models in the example repository; with ``batching``, EfficientNet gets
+    `dynamic_batching {}` (its folder's files linked, its config rewritten). Both servers are built from it."""
     dest.mkdir(parents=True)
     steps = [step.model_name for step in load_config(EXAMPLES / PIPELINE).ensemble_scheduling.step]
     for name in (PIPELINE, *steps):
-        (dest / name).symlink_to(EXAMPLES / name, target_is_directory=True)
+        if not (batching and name == MODEL):
+            (dest / name).symlink_to(EXAMPLES / name, target_is_directory=True)
+            continue
+        (dest / name).mkdir()
+        for item in (EXAMPLES / name).iterdir():
+            if item.name != "config.pbtxt":
+                (dest / name / item.name).symlink_to(item, target_is_directory=item.is_dir())
+        config = load_config(EXAMPLES / name)
+        config.dynamic_batching.SetInParent()
+        (dest / name / "config.pbtxt").write_text(text_format.MessageToString(config))
     return dest
 
 
@@ -191,6 +203,11 @@ def report(cells: dict[str, dict[int, list[Point]]], chain: list[Point], others:
         targets.append((f"c={c}: p50 {g.p50_us / 1000:.2f} vs {t.p50_us / 1000:.2f} ms (target lower)",
                         g.p50_us < t.p50_us))
     verdicts = [f"- **{'PASS' if ok else 'FAIL'}** {text}" for text, ok in targets]
+    t1 = medians.get("triton", {}).get(1)
+    if chain and t1:
+        ceiling = median(chain).throughput / t1.throughput
+        verdicts.append(f"- c=1 ceiling: the in-process chain (no server at all) runs at {ceiling:.2f}x Triton's c=1 "
+                        "throughput; one request at a time, no server can do better than that.")
     text = (
         "# Image pipeline: geserve vs Triton (pipeline_bench)\n\n"
         f"{meta['date']}, {meta['rounds']} alternating round(s), medians shown; {meta['machine']}; load average "
@@ -201,7 +218,9 @@ def report(cells: dict[str, dict[int, list[Point]]], chain: list[Point], others:
         "process, without a server (what one request at a time could reach). geserve runs the Python steps "
         "in-process and EfficientNet on its GE backend; "
         "Triton 2.51 runs the same Python models in its Python-backend stubs and EfficientNet as a Python-backend "
-        f"ONNX Runtime model. ONNX Runtime intra-op threads: {meta['ort_threads']} on both.\n\n"
+        f"ONNX Runtime model. ONNX Runtime intra-op threads: {meta['ort_threads']} on both. EfficientNet step: "
+        + ("with `dynamic_batching {}` on both servers (`--batching`)" if meta["efficientnet_batching"]
+           else "as configured in the example repository (no dynamic batching)") + ".\n\n"
         + "\n".join(lines) + "\n\n## Targets (issue 7)\n\n" + "\n".join(verdicts) + "\n\n"
         "## Versions\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta["versions"].items()) + "\n\n"  # type: ignore[union-attr]
         "## How it was measured\n\n"
@@ -213,8 +232,9 @@ def report(cells: dict[str, dict[int, list[Point]]], chain: list[Point], others:
         "```\n" + "\n".join(f"# {name}\n{' '.join(cmd)}" for name, cmd in commands.items()) + "\n```\n"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "pipeline_bench.md").write_text(text)
-    (RESULTS / "pipeline_bench.json").write_text(json.dumps({
+    stem = "pipeline_bench_batching" if meta["efficientnet_batching"] else "pipeline_bench"
+    (RESULTS / f"{stem}.md").write_text(text)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({
         "meta": meta,
         "medians": {s: {str(c): asdict(p) for c, p in by_c.items()} for s, by_c in medians.items()},
         "samples": {s: {str(c): [asdict(p) for p in pts] for c, pts in by_c.items()} for s, by_c in cells.items()},
@@ -230,6 +250,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, shorter windows")
     parser.add_argument("--rounds", type=int, help="override the number of alternating rounds")
+    parser.add_argument("--batching", action="store_true",
+                        help=f"serve {MODEL} with dynamic_batching {{}} on both servers (as configured: without)")
     args = parser.parse_args()
     mode = QUICK if args.quick else FULL
     if args.rounds:
@@ -247,9 +269,10 @@ def main() -> int:
         data = perf_analyzer_input(root / "chelsea.json")
         RESULTS.mkdir(parents=True, exist_ok=True)
         log = RESULTS / "pipeline_bench.geserve.log"
-        server = stack.enter_context(geserve([geserve_repository(root / "geserve")], log))
+        source = pipeline_repository(root / "source", args.batching)
+        server = stack.enter_context(geserve([source], log))
         commands["geserve"] = [str(a) for a in server.process.args]  # type: ignore[union-attr]
-        triton_repo = triton_repository(EXAMPLES, root / "triton", [PIPELINE])
+        triton_repo = triton_repository(source, root / "triton", [PIPELINE])
         urls = {"geserve": f"127.0.0.1:{server.http_port}",
                 "triton": stack.enter_context(triton(triton_repo, RESULTS / "pipeline_bench.triton.log"))}
         for system, url in urls.items():
@@ -274,6 +297,7 @@ def main() -> int:
                               f"(others' CPU {share[0]:.0%})", flush=True)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(), "rounds": mode.rounds,
+        "efficientnet_batching": args.batching,
         "window_ms": mode.window_ms, "stability": mode.stability, "ort_threads": threads,
         "load_before": " / ".join(f"{x:.2f}" for x in load_before),
         "load_after": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
