@@ -59,20 +59,20 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def pipelines_server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with geserve([repository], tmp_path_factory.mktemp("pipelines-log") / "geserve.log") as running:
         yield running
 
 
 @pytest.fixture
-def http(server: RunningServer) -> Iterator[httpclient.InferenceServerClient]:
-    with httpclient.InferenceServerClient(server.url) as client:
+def http(pipelines_server: RunningServer) -> Iterator[httpclient.InferenceServerClient]:
+    with httpclient.InferenceServerClient(pipelines_server.url) as client:
         yield client
 
 
 @pytest.fixture
-def grpc(server: RunningServer) -> Iterator[grpcclient.InferenceServerClient]:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
+def grpc(pipelines_server: RunningServer) -> Iterator[grpcclient.InferenceServerClient]:
+    client = grpcclient.InferenceServerClient(pipelines_server.grpc_url)
     yield client
     client.close()
 
