@@ -19,13 +19,10 @@ import pytest
 from tests.support import ensembles
 from tests.support.ensembles import AB, INT16, Ensemble, Step, add_sub_step, chain
 from tests.support.reference import (
+    BootingTriton,
     build_python_backend_repository,
-    free_port,
     reference_available,
     reference_unavailable_reason,
-    start_reference_triton,
-    stop_process,
-    wait_ready,
 )
 from tests.support.server import geserve
 
@@ -93,25 +90,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         ensemble.write(python_repo)
     loads = [f"--load-model={name}" for name in GOOD]
 
-    def start_triton(log: str):
-        http_port = free_port()
-        process = start_reference_triton(python_repo, http_port, free_port(), free_port(), root / log,
-                                         model_control_mode="explicit", load_models=GOOD)
-        return process, f"http://127.0.0.1:{http_port}"
-
-    triton, triton_url = start_triton("triton.log")
+    triton = BootingTriton(python_repo, root, model_control_mode="explicit", load_models=GOOD)
     try:
         with geserve([source], root / "geserve.log", ["--model-control-mode=explicit", *loads]) as server:
-            try:
-                wait_ready(triton_url, process=triton, log_path=root / "triton.log")
-            except RuntimeError:  # the reference's Python stub sometimes dies at start under load: once more
-                stop_process(triton)
-                triton, triton_url = start_triton("triton2.log")
-                wait_ready(triton_url, process=triton, log_path=root / "triton2.log")
-            wait_ready(server.base, process=server.process, log_path=root / "geserve.log")
-            yield Pair(triton_url, server.base)
+            triton.wait()
+            yield Pair(triton.url, server.base)
     finally:
-        stop_process(triton)
+        triton.stop()
 
 
 def _infer_body(a: list[int], b: list[int], shape: list[int], outputs: list[str] | None = None) -> dict:

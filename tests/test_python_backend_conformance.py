@@ -25,14 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.support.python_repo import geserve_repository, triton_repository
-from tests.support.reference import (
-    free_port,
-    reference_available,
-    reference_unavailable_reason,
-    start_reference_triton,
-    stop_process,
-    wait_ready,
-)
+from tests.support.reference import BootingTriton, reference_available, reference_unavailable_reason
 from tests.support.server import geserve
 
 pytestmark = pytest.mark.reference
@@ -65,23 +58,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     root = tmp_path_factory.mktemp("python-conformance")
     triton_repo = triton_repository(root / "triton").resolve()
     geserve_repo = geserve_repository(root / "geserve")
-    http_port, grpc_port = free_port(), free_port()
-    triton = start_reference_triton(triton_repo, http_port, grpc_port, free_port(), root / "triton.log")
+    triton = BootingTriton(triton_repo, root)
     try:
         with geserve([geserve_repo], root / "geserve.log") as server:
-            try:
-                wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton.log")
-            except RuntimeError:  # the reference's stub sometimes dies at start-up under load: one more try
-                stop_process(triton)
-                http_port, grpc_port = free_port(), free_port()
-                triton = start_reference_triton(triton_repo, http_port, grpc_port, free_port(), root / "triton2.log")
-                wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton2.log")
-            yield Pair(
-                Target(server.url, server.grpc_url, geserve_repo),
-                Target(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", triton_repo),
-            )
+            triton.wait()
+            yield Pair(Target(server.url, server.grpc_url, geserve_repo), Target(triton.http, triton.grpc, triton_repo))
     finally:
-        stop_process(triton)
+        triton.stop()
 
 
 def _input(name: str, array: np.ndarray, datatype: str) -> httpclient.InferInput:

@@ -11,13 +11,10 @@ import pytest
 
 from tests.support import models
 from tests.support.reference import (
+    BootingTriton,
     build_python_backend_repository,
-    free_port,
     reference_available,
     reference_unavailable_reason,
-    start_reference_triton,
-    stop_process,
-    wait_ready,
 )
 from tests.support.server import RunningServer, start_geserve, stop_geserve
 from tests.support.shm import Region
@@ -49,26 +46,16 @@ def server_pair(root: Path) -> Iterator[ServerPair]:
         models.identity(source, kind)
     python_repo = build_python_backend_repository(source, root / "python", [*MODELS, STATS_MODEL])
     # Both boot at once: Triton in the background while geserve starts.
-    http_port, grpc_port = free_port(), free_port()
-    triton = start_reference_triton(python_repo, http_port, grpc_port, free_port(), root / "triton.log")
+    triton = BootingTriton(python_repo, root)
     regions = (Region(256), Region(256))
     try:
         server = start_geserve([source], root / "geserve.log", ["--allow-system-shared-memory=true"])
         try:
-            try:
-                wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton.log")
-            except RuntimeError:
-                # The reference, not geserve, is what failed: its Python-backend stub sometimes dies at start
-                # under load (boost interprocess lock). One fresh start, then its error stands.
-                stop_process(triton)
-                http_port, grpc_port = free_port(), free_port()
-                triton = start_reference_triton(python_repo, http_port, grpc_port, free_port(), root / "triton2.log")
-                wait_ready(f"http://127.0.0.1:{http_port}", process=triton, log_path=root / "triton2.log")
-            wait_ready(server.base, process=server.process, log_path=root / "geserve.log")
-            yield ServerPair(server, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", regions)
+            triton.wait()
+            yield ServerPair(server, triton.http, triton.grpc, regions)
         finally:
             stop_geserve(server)
     finally:
-        stop_process(triton)
+        triton.stop()
         for region in regions:
             region.close()

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAIN_VENV = REPO_ROOT / ".venv"
@@ -466,6 +467,52 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 15.0) -> Non
         process.wait(timeout=timeout)
 
 
+class BootingTriton:
+    """The real tritonserver started in the background, so another server can boot meanwhile.
+
+    `wait()` blocks until it is ready. Its Python-backend stub sometimes dies at start-up under load (a boost
+    interprocess lock): that is the reference failing, not what a test checks, so it is started once more.
+    """
+
+    def __init__(self, repo: Path, log_dir: Path, **options: Any) -> None:
+        self._repo, self._log_dir, self._options = repo, Path(log_dir), options
+        self._attempt = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._attempt += 1
+        self.log_path = self._log_dir / f"triton{self._attempt}.log"
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.process = start_reference_triton(
+            self._repo, self.http_port, self.grpc_port, free_port(), self.log_path, **self._options
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def wait(self) -> None:
+        try:
+            wait_ready(self.url, process=self.process, log_path=self.log_path)
+        except RuntimeError:
+            if self._attempt > 1:
+                raise
+            stop_process(self.process)
+            self._start()
+            wait_ready(self.url, process=self.process, log_path=self.log_path)
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+
 @contextlib.contextmanager
 def reference_triton(
     repo: Path,
@@ -516,6 +563,7 @@ __all__ = [
     "MAIN_VENV",
     "REF_VENV",
     "REPO_ROOT",
+    "BootingTriton",
     "build_python_backend_repository",
     "free_port",
     "perf_analyzer_command",
