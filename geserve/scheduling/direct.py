@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from geserve.errors import GeserveError, UnavailableError
+from geserve.errors import GeserveError
+from geserve.scheduling.inflight import InflightTracker
 from geserve.scheduling.pool import InstancePool
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -13,31 +14,22 @@ from geserve.types import InferenceRequest, InferenceResponse
 class DirectScheduler:
     def __init__(self, pool: InstancePool) -> None:
         self._pool = pool
-        self._inflight = 0
-        self._stopping = False
-        self._drained = asyncio.Event()
-        self._drained.set()
+        self._inflight = InflightTracker()
 
     @property
     def inflight_count(self) -> int:
-        return self._inflight
+        return self._inflight.count
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
-        if self._stopping:
-            raise UnavailableError(f"model '{request.model_name}' is unloading")
-        self._inflight += 1
-        self._drained.clear()
+        self._inflight.enter(request.model_name)
         try:
             (result,) = await self._pool.execute([request], [time.monotonic_ns()])
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._drained.set()
+            self._inflight.leave()
         if isinstance(result, GeserveError):
             raise result
         return result
 
     async def stop(self) -> None:
-        self._stopping = True
-        await self._drained.wait()
+        await self._inflight.drain()
         await asyncio.to_thread(self._pool.close)

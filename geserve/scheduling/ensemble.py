@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from geserve.backends.base import InferenceHost
 from geserve.config import ModelConfig
 from geserve.core.statistics import ModelStatistics
-from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError
+from geserve.errors import GeserveError, InternalError, InvalidArgumentError
+from geserve.scheduling.inflight import InflightTracker
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 
 # An ensemble tensor's value and the batch size of the request that made it (0: made without batching).
@@ -140,31 +141,22 @@ class EnsembleScheduler:
         self._plan = plan
         self._host = host
         self._statistics = statistics
-        self._inflight = 0
-        self._stopping = False
-        self._drained = asyncio.Event()
-        self._drained.set()
+        self._inflight = InflightTracker()
 
     @property
     def inflight_count(self) -> int:
-        return self._inflight
+        return self._inflight.count
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
-        if self._stopping:
-            raise UnavailableError(f"model '{request.model_name}' is unloading")
-        self._inflight += 1
-        self._drained.clear()
+        self._inflight.enter(request.model_name)
         try:
             return await self._run(request)
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._drained.set()
+            self._inflight.leave()
 
     async def stop(self) -> None:
         """Let the ensemble requests in flight finish; there are no instances to release."""
-        self._stopping = True
-        await self._drained.wait()
+        await self._inflight.drain()
 
     async def _run(self, request: InferenceRequest) -> InferenceResponse:
         plan = self._plan
