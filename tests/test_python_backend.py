@@ -40,7 +40,7 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = geserve_repository(tmp_path_factory.mktemp("python") / "models", (*SHARED, "probe"))
+    root = geserve_repository(tmp_path_factory.mktemp("python") / "models", (*SHARED, "probe", "readiness"))
     for name, source in BROKEN.items():
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(_CONFIG)
@@ -110,6 +110,29 @@ def test_bad_model_files_are_unavailable_with_the_reason(server: RunningServer) 
     assert init["state"] == "UNAVAILABLE"
     assert "RuntimeError: no weights for init_fails" in init["reason"] and "initialize" in init["reason"]
     assert all(index[name]["state"] == "READY" for name in (*SHARED, "probe", "simple"))
+
+
+def test_model_readiness_asks_the_models_own_is_ready(server: RunningServer) -> None:
+    """HTTP and gRPC model readiness follow `is_ready()` (Triton's instance-ready hook); raising means not ready."""
+
+    def set_mode(mode: int) -> None:
+        http_infer(server, "readiness", [("READY", np.array([mode], np.int32), "INT32")])
+
+    def ready() -> tuple[bool, bool]:
+        with httpclient.InferenceServerClient(server.url) as http, \
+                grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+            return http.is_model_ready("readiness"), grpc.is_model_ready("readiness")
+
+    assert ready() == (True, True)
+    try:
+        set_mode(0)
+        assert ready() == (False, False)
+        set_mode(2)  # is_ready() raises
+        assert ready() == (False, False)
+        assert probe(server, 0).startswith("probe_0_")  # the rest of the server is unaffected
+    finally:
+        set_mode(1)
+    assert ready() == (True, True)
 
 
 def test_bls_reaches_ge_python_and_decoupled_models(server: RunningServer) -> None:

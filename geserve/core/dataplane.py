@@ -53,8 +53,13 @@ class DataPlane:
     def server_metadata(self) -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
 
-    def model_ready(self, name: str, version: str = "") -> bool:
-        return self._manager.is_ready(name, version)
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        """READY in the lifecycle, and (for models whose instances check their own readiness) ready by them."""
+        try:
+            model = self._manager.get(name, version)
+        except GeserveError:
+            return False
+        return model.readiness is None or await model.readiness()
 
     def model(self, name: str, version: str = "") -> LoadedModel:
         return self._manager.get(name, version)

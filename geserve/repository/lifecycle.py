@@ -223,12 +223,14 @@ class ModelManager:
             instances = await asyncio.to_thread(backend.create_instances, config, source)
             labels = await asyncio.to_thread(_read_labels, config, model_dir)
             statistics = self._options.new_statistics()
+            readiness = None
             if is_ensemble(config):  # no instances: the steps run on their own models
                 setup = EnsembleSetup(EnsemblePlan.build(config, steps), self._registry.host, statistics)
                 scheduler = create_scheduler(config, None, setup)
             else:
                 pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
                 scheduler = create_scheduler(config, pool)
+                readiness = pool.instances_ready if pool.checks_readiness else None
         except GeserveError as exc:
             logger.error("model '%s' version %d is unavailable: %s", config.name, version, exc.message)
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)
@@ -243,6 +245,7 @@ class ModelManager:
             labels=labels,
             input_order=tuple(t.name for t in config.input),
             decoupled=config.model_transaction_policy.decoupled,
+            readiness=readiness,
         )
         logger.info("successfully loaded '%s' version %d", config.name, version)
         return VersionStatus(ModelState.READY, "", model)

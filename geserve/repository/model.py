@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,8 @@ class LoadedModel:
     outputs: dict[str, TensorSpec]
     labels: dict[str, list[str]] = field(default_factory=dict)
     input_order: tuple[str, ...] = ()
+    # The instances' own readiness checks (Python models' `is_ready`); None when no instance has one.
+    readiness: Callable[[], Awaitable[bool]] | None = None
     # model_transaction_policy.decoupled: any number of responses per request, served by infer_stream only
     decoupled: bool = False
 

@@ -227,7 +227,7 @@ class DynamicBatcher:
             elif rows < limit and now < due_at and not self._stopping:
                 wake_at = min(due_at, next_timeout) if next_timeout else due_at
                 self._arrived.clear()
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before 3.11
                     await asyncio.wait_for(self._arrived.wait(), (wake_at - now) / 1e9)
                 continue
             self._queue.remove(batch)

@@ -22,6 +22,7 @@ from geserve.errors import GeserveError, InternalError
 from geserve.types import InferenceRequest, InferenceResponse
 
 Results = list[InferenceResponse | GeserveError]
+READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
 Phases = tuple[int, int, int]  # compute input, infer, output (ns)
 
 
@@ -122,6 +123,20 @@ class InstancePool:
 
     async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:
         return await self.run(await self.acquire(), requests, enqueued_ns)
+
+    @property
+    def checks_readiness(self) -> bool:
+        return any(getattr(w.instance, "checks_readiness", False) for w in self._workers)
+
+    async def instances_ready(self, timeout_s: float = READINESS_TIMEOUT_S) -> bool:
+        """Every instance's own readiness check (a Python model's `is_ready`), each on a helper thread: model code
+        never runs on the loop, and a check may run while the instance executes, as Triton's stub allows."""
+        checks = [w.instance.is_ready for w in self._workers if getattr(w.instance, "checks_readiness", False)]
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(asyncio.to_thread(c) for c in checks)), timeout_s)
+        except asyncio.TimeoutError:  # not the builtin before 3.11
+            return False
+        return all(results)
 
     def take_free(self) -> _Worker:
         """A free instance right now (check `has_free` first): no await between the check and the take."""

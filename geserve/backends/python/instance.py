@@ -96,9 +96,22 @@ class PythonInstance:
                 f"failed to initialize Python model instance '{self.name}': {loader.describe(exc)}"
             ) from None
 
+    @property
+    def checks_readiness(self) -> bool:
+        """The model defines `is_ready()`: the model's readiness asks it (Triton's instance-ready hook)."""
+        return callable(getattr(self.model, "is_ready", None))
+
     def is_ready(self) -> bool:
+        """The model's own `is_ready()` (sync or async); one that raises counts as not ready."""
         check = getattr(self.model, "is_ready", None)
-        return bool(self._await(check())) if callable(check) else True
+        if not callable(check):
+            return self.model is not None
+        runtime.bind_thread(self._host)
+        try:
+            return bool(self._await(check()))
+        except Exception:
+            logger.exception("is_ready() of Python model instance '%s' failed; reporting not ready", self.name)
+            return False
 
     def finalize(self) -> None:
         try:

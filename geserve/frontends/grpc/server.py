@@ -85,7 +85,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         version = convert.from_version(request.version)
-        return pb.ModelReadyResponse(ready=self._dataplane.model_ready(request.name, version))
+        return pb.ModelReadyResponse(ready=await self._dataplane.model_ready(request.name, version))
 
     @_rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:

@@ -232,7 +232,7 @@ class HttpFrontend:
         if action == "":
             return _json(self._dataplane.model_metadata(name, version))
         if action == "ready":
-            if self._dataplane.model_ready(name, version):
+            if await self._dataplane.model_ready(name, version):
                 return 200, b"", _TEXT, []
             return 400, _error_body("Model version not ready"), _TEXT, []
         if action == "config":
