@@ -158,18 +158,16 @@ def test_a_decoupled_model_is_refused_over_http_and_unary_grpc(server: RunningSe
 
 
 def test_dynamic_batching_hands_execute_the_requests_unmerged(server: RunningServer) -> None:
-    results: dict[int, object] = {}
+    def inputs(index: int) -> list[httpclient.InferInput]:
+        text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[f"request {index}".encode()]], dtype=np.object_))
+        values = httpclient.InferInput("VALUES", [1, 3], "FP32")
+        values.set_data_from_numpy(np.full((1, 3), index, np.float32))
+        return [text, values]
 
-    def send(index: int) -> None:
-        text = np.array([[f"request {index}".encode()]], dtype=np.object_)
-        values = np.full((1, 3), index, np.float32)
-        results[index] = http_infer(server, "identity", [("TEXT", text, "BYTES"), ("VALUES", values, "FP32")])
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with httpclient.InferenceServerClient(server.url, concurrency=4) as client:
+        pending = {index: client.async_infer("identity", inputs(index)) for index in range(4)}
+        results = {index: request.get_result(timeout=30) for index, request in pending.items()}
     for index, result in results.items():
         assert result.as_numpy("TEXT_OUT").tolist() == [[f"request {index}".encode()]]  # its own rows only
         np.testing.assert_array_equal(result.as_numpy("VALUES_OUT"), np.full((1, 3), index, np.float32))
