@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -79,14 +78,13 @@ def probe(server: RunningServer, ms: int) -> str:
 
 def test_async_execute_runs_two_instances_in_parallel(server: RunningServer) -> None:
     probe(server, 0)  # warm both paths
-    names: list[str] = []
-    started = time.monotonic()
-    threads = [threading.Thread(target=lambda: names.append(probe(server, 500))) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.monotonic() - started
+    sleep = httpclient.InferInput("MS", [1], "INT32")
+    sleep.set_data_from_numpy(np.array([500], np.int32))
+    with httpclient.InferenceServerClient(server.url, concurrency=2) as client:
+        started = time.monotonic()
+        pending = [client.async_infer("probe", [sleep]) for _ in range(2)]
+        names = [request.get_result(timeout=30).as_numpy("INSTANCE")[0].decode() for request in pending]
+        elapsed = time.monotonic() - started
     assert sorted(names) == ["probe_0_0:CPU", "probe_0_1:CPU"]  # one request on each instance
     assert elapsed < 0.9, f"two 0.5 s executions took {elapsed:.2f} s: the instances did not run in parallel"
 
