@@ -4,6 +4,7 @@ dynamic batching, statistics, and the pb_utils API itself (tests/support/python_
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import queue
 import time
@@ -51,19 +52,30 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with geserve([repo], tmp_path_factory.mktemp("python-logs") / "geserve.log") as running:
         yield running
+        client = _clients.pop(running.url, None)
+        if client is not None:
+            client.close()
+            del client
+            gc.collect()  # tritonclient's __del__ must run on this thread: its gevent pool cannot be joined elsewhere
+
+
+# One HTTP client per server for the whole module: short-lived ones would be garbage-collected later on whatever
+# thread happens to run the collector (the in-process server's, say), where tritonclient cannot close them.
+_clients: dict[str, httpclient.InferenceServerClient] = {}
 
 
 def http_infer(server: RunningServer, model: str, inputs: list[tuple[str, np.ndarray, str]]):
-    client = httpclient.InferenceServerClient(server.url, connection_timeout=30, network_timeout=30)
+    client = _clients.get(server.url)
+    if client is None:
+        client = _clients[server.url] = httpclient.InferenceServerClient(
+            server.url, connection_timeout=30, network_timeout=30
+        )
     tensors = []
     for name, array, datatype in inputs:
         tensor = httpclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
-    try:
-        return client.infer(model, tensors)
-    finally:
-        client.close()
+    return client.infer(model, tensors)
 
 
 def get_json(server: RunningServer, path: str, body: bytes | None = None) -> object:
