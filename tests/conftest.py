@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,15 @@ import pytest
 
 from tests.support import models
 from tests.support.server import RunningServer, geserve
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_clients_on_the_main_thread() -> Iterator[None]:
+    """tritonclient's HTTP client closes itself in `__del__` through a gevent pool that only its own thread may
+    join. One left in a reference cycle would otherwise be collected later on whatever thread runs the collector
+    (an in-process server's, say) and warn there; collecting after each module keeps that on the main thread."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
