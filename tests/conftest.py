@@ -21,6 +21,27 @@ def _collect_clients_on_the_main_thread() -> Iterator[None]:
     gc.collect()
 
 
+# The example models' ONNX files, for the compiler tests (built once per session if the bootstrap has not).
+@pytest.fixture(scope="session")
+def mlp() -> Path:
+    return models.example_onnx("mlp")
+
+
+@pytest.fixture(scope="session")
+def digits() -> Path:
+    return models.example_onnx("digits")
+
+
+@pytest.fixture(scope="session")
+def efficientnet() -> Path:
+    return models.example_onnx("efficientnet_lite0")
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    return models.example_onnx("minilm")
+
+
 @pytest.fixture(scope="session")
 def good_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.good_repository(tmp_path_factory.mktemp("repo") / "models")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -20,16 +19,7 @@ from geserve.compiler.pipeline import compile_model
 from tests.support import models
 from tests.support.server import geserve
 
-EXAMPLES = models.EXAMPLES
 KEY_HEX = "11" * 32
-
-
-def _example(name: str) -> Path:
-    sys.path.insert(0, str(EXAMPLES))
-    from build import main as build_examples
-
-    build_examples(["--only", name])
-    return EXAMPLES / "model_repository" / name
 
 
 def _session(source: Path | bytes) -> ort.InferenceSession:
@@ -41,16 +31,6 @@ def _session(source: Path | bytes) -> ort.InferenceSession:
 
 def _compile(*args: str) -> int:
     return cli_main(["compile", "--quiet", *args])
-
-
-@pytest.fixture(scope="module")
-def mlp() -> Path:
-    return _example("mlp") / "1" / "model.onnx"
-
-
-@pytest.fixture(scope="module")
-def digits() -> Path:
-    return _example("digits") / "1" / "model.onnx"
 
 
 def test_manifest_round_trip_gears_and_info(mlp: Path, tmp_path: Path, capsys) -> None:
@@ -164,7 +144,7 @@ def test_pytorch_front_end(tmp_path: Path) -> None:
 
 
 def test_aipp_preprocessing_matches_manual(tmp_path: Path) -> None:
-    source = _example("resnet50") / "1" / "model.onnx"
+    source = models.example_onnx("resnet50")
     mean, std = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
     conf = tmp_path / "aipp.json"
     conf.write_text(json.dumps({"input_format": "BGR888_U8", "model_format": "RGB", "mean": mean, "std": std,

@@ -26,20 +26,6 @@ from tests.support.server import geserve
 REPOSITORY = models.EXAMPLES / "model_repository"
 
 
-@pytest.fixture(scope="module")
-def mlp() -> Path:
-    from tests.test_compiler import _example
-
-    return _example("mlp") / "1" / "model.onnx"
-
-
-@pytest.fixture(scope="module")
-def efficientnet() -> Path:
-    from tests.test_compiler import _example
-
-    return _example("efficientnet_lite0") / "1" / "model.onnx"
-
-
 def test_compare_math() -> None:
     golden = np.array([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]], np.float32)
     same = compare(golden, golden)

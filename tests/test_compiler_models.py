@@ -13,7 +13,7 @@ from geserve.cli import main as cli_main
 from geserve.compiler import read_package
 from geserve.compiler.compare import compare
 from tests.support import models
-from tests.test_compiler import _example, _session
+from tests.test_compiler import _session
 
 PHOTOS = ("chelsea", "coffee", "astronaut")
 CALIBRATION_PHOTOS = ("rocket", "camera", "immunohistochemistry", "colorwheel")  # not the photos checked
@@ -25,16 +25,6 @@ def _photos(names: tuple[str, ...]) -> np.ndarray:
     from build_efficientnet import preprocess
 
     return np.stack([preprocess(getattr(skimage_data, name)()) for name in names])
-
-
-@pytest.fixture(scope="module")
-def efficientnet() -> Path:
-    return _example("efficientnet_lite0") / "1" / "model.onnx"
-
-
-@pytest.fixture(scope="module")
-def minilm() -> Path:
-    return _example("minilm") / "1" / "model.onnx"
 
 
 @pytest.mark.parametrize("variant", ["fp16", "int8"])

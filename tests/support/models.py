@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import onnx
@@ -10,6 +11,16 @@ from onnx import TensorProto, helper
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
+
+def example_onnx(name: str) -> Path:
+    """An example model's ONNX file, built by examples/build.py first if needed (a no-op once built)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from build import main as build_examples
+
+    build_examples(["--only", name])
+    return EXAMPLES / "model_repository" / name / "1" / "model.onnx"
+
 
 _IDENTITY_TYPES = {
     "fp16": (TensorProto.FLOAT16, "TYPE_FP16"),
