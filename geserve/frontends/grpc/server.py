@@ -192,16 +192,14 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
-        if request.repository_name:
-            raise UnsupportedError("'repository_name' specification is not supported")
+        _refuse_repository_name(request)
         return convert.to_repository_index_response(self._dataplane.repository_index(request.ready))
 
     @_rpc
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
-        if request.repository_name:
-            raise UnsupportedError("'repository_name' specification is not supported")
+        _refuse_repository_name(request)
         name, config = convert.from_repository_model_load_request(request)
         await self._dataplane.load_model(name, config)
         return pb.RepositoryModelLoadResponse()
@@ -210,8 +208,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
-        if request.repository_name:
-            raise UnsupportedError("'repository_name' specification is not supported")
+        _refuse_repository_name(request)
         await self._dataplane.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
@@ -308,3 +305,9 @@ class GrpcServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+
+def _refuse_repository_name(request: Any) -> None:
+    """One repository namespace here: the repository RPCs refuse a named one, as Triton does without namespacing."""
+    if request.repository_name:
+        raise UnsupportedError("'repository_name' specification is not supported")
