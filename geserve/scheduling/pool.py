@@ -63,6 +63,8 @@ class InstancePool:
             raise InternalError(f"model '{model_name}' has no instances to execute on")
         self._statistics = statistics
         self._workers = [_Worker(instance, self) for instance in instances]
+        # Instances that check their own readiness (a Python model's `is_ready`); fixed once they are initialized.
+        self._readiness_checks = [i.is_ready for i in instances if getattr(i, "checks_readiness", False)]
         self._free: list[_Worker] = list(reversed(self._workers))
         self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
         self._typical_ns = 0  # moving average of one execution; decides where the next one runs
@@ -126,14 +128,14 @@ class InstancePool:
 
     @property
     def checks_readiness(self) -> bool:
-        return any(getattr(w.instance, "checks_readiness", False) for w in self._workers)
+        return bool(self._readiness_checks)
 
     async def instances_ready(self, timeout_s: float = READINESS_TIMEOUT_S) -> bool:
         """Every instance's own readiness check (a Python model's `is_ready`), each on a helper thread: model code
         never runs on the loop, and a check may run while the instance executes, as Triton's stub allows."""
-        checks = [w.instance.is_ready for w in self._workers if getattr(w.instance, "checks_readiness", False)]
+        checks = (asyncio.to_thread(check) for check in self._readiness_checks)
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(asyncio.to_thread(c) for c in checks)), timeout_s)
+            results = await asyncio.wait_for(asyncio.gather(*checks), timeout_s)
         except asyncio.TimeoutError:  # not the builtin before 3.11
             return False
         return all(results)
