@@ -19,9 +19,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -136,17 +135,6 @@ def pipeline_repository(dest: Path, batching: bool) -> Path:
         config.dynamic_batching.SetInParent()
         (dest / name / "config.pbtxt").write_text(text_format.MessageToString(config))
     return dest
-
-
-@contextmanager
-def triton(repo: Path, log_path: Path) -> Iterator[str]:
-    port = reference.free_port()
-    process = reference.start_reference_triton(repo, port, reference.free_port(), reference.free_port(), log_path)
-    try:
-        reference.wait_ready(f"http://127.0.0.1:{port}", 180, process=process, log_path=log_path)
-        yield f"127.0.0.1:{port}"
-    finally:
-        reference.stop_process(process)
 
 
 def check_and_warm(url: str, system: str) -> None:
@@ -273,8 +261,11 @@ def main() -> int:
         server = stack.enter_context(geserve([source], log))
         commands["geserve"] = [str(a) for a in server.process.args]  # type: ignore[union-attr]
         triton_repo = triton_repository(source, root / "triton", [PIPELINE])
+        triton_url = stack.enter_context(
+            reference.reference_triton(triton_repo, log_path=RESULTS / "pipeline_bench.triton.log", timeout=180)
+        )
         urls = {"geserve": f"127.0.0.1:{server.http_port}",
-                "triton": stack.enter_context(triton(triton_repo, RESULTS / "pipeline_bench.triton.log"))}
+                "triton": triton_url.removeprefix("http://")}
         for system, url in urls.items():
             check_and_warm(url, system)
         for round_index in range(mode.rounds):
