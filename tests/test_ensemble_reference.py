@@ -8,6 +8,7 @@ counts one).
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -178,7 +179,14 @@ def test_same_statistics(pair: Pair) -> None:
         )
         assert triton.status == geserve_.status == 200
     for model in ("chain", "add_sub"):
-        triton, geserve_ = pair.both("GET", f"/v2/models/{model}/stats")
-        t_stats, g_stats = triton.body["model_stats"][0], geserve_.body["model_stats"][0]
+        # Triton records a request's statistics after it has sent the response, so a read right after the last
+        # response can miss it: read again until both agree or a few seconds have passed.
+        deadline = time.monotonic() + 5
+        while True:
+            triton, geserve_ = pair.both("GET", f"/v2/models/{model}/stats")
+            t_stats, g_stats = triton.body["model_stats"][0], geserve_.body["model_stats"][0]
+            if _counts(g_stats) == _counts(t_stats) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         assert _counts(g_stats) == _counts(t_stats), model
     assert _counts(g_stats)["execution_count"] >= 6  # (earlier tests ran the chain too)
