@@ -24,8 +24,56 @@ FP4 = ("TYPE_FP32", (4,))
 SLOW_ROUNDS = 30  # ~35 ms of one core per branch run
 
 
+# Three Python steps in one process: `watch_make` makes a 16 MB tensor and keeps only a weak reference to it (in a
+# module all steps see), `watch_sum` reduces it, and `watch_check` reports whether anything still holds it.
+WATCH_MODEL = """
+import gc
+import sys
+import types
+import weakref
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WATCH = sys.modules.setdefault("_ensemble_watch", types.ModuleType("_ensemble_watch"))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.role = args["model_name"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if self.role == "watch_make":
+                y = np.full(4_000_000, x[0], np.float32)
+                WATCH.ref = weakref.ref(y)
+            elif self.role == "watch_sum":
+                y = np.array([x.sum()], np.float32)
+            else:
+                gc.collect()
+                y = np.array([WATCH.ref() is None], np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+
+
+def _watch_step(repo: Path, name: str, in_dims: str, out_dims: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(WATCH_MODEL)
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        f'input [{{ name: "X" data_type: TYPE_FP32 dims: [{in_dims}] }}]\n'
+        f'output [{{ name: "Y" data_type: TYPE_FP32 dims: [{out_dims}] }}]\n'
+    )
+
+
 def _repository(repo: Path) -> Path:
     repo.mkdir(parents=True)
+    _watch_step(repo, "watch_make", "1", "-1")
+    _watch_step(repo, "watch_sum", "-1", "1")
+    _watch_step(repo, "watch_check", "1", "1")
     for name in ("add_sub", "add_sub_stats", "add_sub_fail", "add_sub_unload"):
         ensembles.add_sub(repo, name)
     ensembles.add_sub(repo, "add_sub_nobatch", max_batch_size=0)
@@ -40,6 +88,11 @@ def _repository(repo: Path) -> Path:
         chain("chain_stats", "add_sub_stats"),
         chain("chain_batched", "add_sub_batched"),
         chain("chain_unload", "add_sub_unload"),
+        Ensemble("watch", [("X", "TYPE_FP32", (1,))], [("TOTAL", "TYPE_FP32", (1,)), ("FREED", "TYPE_FP32", (1,))], [
+            Step("watch_make", {"X": "X"}, {"Y": "BIG"}),
+            Step("watch_sum", {"X": "BIG"}, {"Y": "TOTAL"}),
+            Step("watch_check", {"X": "TOTAL"}, {"Y": "FREED"}),
+        ], max_batch_size=0),
         # A batching step feeding a non-batching one, in a non-batching ensemble: shapes move as in Triton.
         Ensemble("chain_nobatch", AB, [("SUM", *INT16), ("DIFF", *INT16)],
                  [add_sub_step("add_sub", "A", "B", "s", "d"),
@@ -326,3 +379,14 @@ def test_bad_ensembles_are_unavailable_with_reasons(server: RunningServer) -> No
         _http_chain(server, "bad_cycle", A, B)
     assert caught.value.status() == "404" and time.monotonic() - started < 5
     assert _get(server, "/v2/models/chain/stats")["model_stats"][0]["name"] == "chain"  # all is well
+
+
+def test_an_intermediate_tensor_is_released_after_its_last_reader(server: RunningServer) -> None:
+    """Triton frees an ensemble tensor once every step reading it is done; so does geserve: by the time the third
+    step runs, the 16 MB tensor the first step made (and only the second read) is gone."""
+    x = httpclient.InferInput("X", [1], "FP32")
+    x.set_data_from_numpy(np.array([0.5], np.float32))
+    with httpclient.InferenceServerClient(server.url) as client:
+        result = client.infer("watch", [x])
+    assert result.as_numpy("TOTAL")[0] == 2_000_000
+    assert result.as_numpy("FREED")[0] == 1.0

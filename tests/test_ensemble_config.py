@@ -161,8 +161,24 @@ def test_plan_prunes_the_steps_requested_outputs_do_not_need() -> None:
     ])
     config = _config(ensemble)
     plan = EnsemblePlan.build(config, {"add_sub": _step_model()})
-    assert plan.needed_steps(frozenset({"SUM", "DIFF", "X"})) == {0, 1, 2, 3}
-    assert plan.needed_steps(frozenset({"SUM"})) == {0, 1}
-    assert plan.needed_steps(frozenset({"DIFF"})) == {0, 1, 2}
-    assert plan.needed_steps(frozenset({"X"})) == {3}
+    assert plan.route(frozenset({"SUM", "DIFF", "X"})).steps == {0, 1, 2, 3}
+    assert plan.route(frozenset({"SUM"})).steps == {0, 1}
+    assert plan.route(frozenset({"DIFF"})).steps == {0, 1, 2}
+    assert plan.route(frozenset({"X"})).steps == {3}
     assert plan.consumers["A"] == (0, 2) and plan.producer["t"] == 1
+
+
+def test_route_asks_steps_only_for_read_outputs_and_counts_readers_of_intermediates() -> None:
+    ensemble = Ensemble("e", AB, [("SUM", *INT16), ("DIFF", *INT16)], [
+        add_sub_step("add_sub", "A", "B", "s", "d"),      # 0
+        add_sub_step("add_sub", "s", "s", "SUM", "t"),    # 1: t is read by nobody
+        add_sub_step("add_sub", "s", "d", "u", "DIFF"),   # 2: u is read by nobody
+    ])
+    plan = EnsemblePlan.build(_config(ensemble), {"add_sub": _step_model()})
+    both = plan.route(frozenset({"SUM", "DIFF"}))
+    assert both.step_outputs == {0: ("OUTPUT0", "OUTPUT1"), 1: ("OUTPUT0",), 2: ("OUTPUT1",)}
+    assert both.releasable == {"A": 1, "B": 1, "s": 2, "d": 1}
+    only_sum = plan.route(frozenset({"SUM"}))
+    assert only_sum.steps == {0, 1} and only_sum.step_outputs[0] == ("OUTPUT0",)
+    assert only_sum.releasable == {"A": 1, "B": 1, "s": 1}
+    assert plan.route(frozenset({"SUM"})) is only_sum  # built once per set of outputs

@@ -52,7 +52,7 @@ class EnsemblePlan:
     optional_inputs: tuple[str, ...]
     consumers: dict[str, tuple[int, ...]]  # tensor -> steps reading it
     producer: dict[str, int]  # tensor -> the step writing it
-    _needed: dict[frozenset[str], frozenset[int]] = field(default_factory=dict)
+    _routes: dict[frozenset[str], Route] = field(default_factory=dict)
 
     @classmethod
     def build(cls, config: ModelConfig, step_configs: dict[str, ModelConfig]) -> EnsemblePlan:
@@ -84,19 +84,41 @@ class EnsemblePlan:
             producer=producer,
         )
 
-    def needed_steps(self, outputs: frozenset[str]) -> frozenset[int]:
-        """The steps that lead to `outputs` (Triton prunes the others when only some outputs are requested)."""
-        needed = self._needed.get(outputs)
-        if needed is None:
-            found: set[int] = set()
-            pending = list(outputs)
-            while pending:
-                index = self.producer.get(pending.pop())
-                if index is not None and index not in found:
-                    found.add(index)
-                    pending.extend(self.steps[index].reads)
-            needed = self._needed[outputs] = frozenset(found)
-        return needed
+    def route(self, outputs: frozenset[str]) -> Route:
+        """How a request for `outputs` runs; built once per distinct set of requested outputs."""
+        route = self._routes.get(outputs)
+        if route is None:
+            route = self._routes[outputs] = self._build_route(outputs)
+        return route
+
+    def _build_route(self, outputs: frozenset[str]) -> Route:
+        # Only the steps leading to `outputs` run, as Triton prunes the others.
+        needed: set[int] = set()
+        pending = list(outputs)
+        while pending:
+            index = self.producer.get(pending.pop())
+            if index is not None and index not in needed:
+                needed.add(index)
+                pending.extend(self.steps[index].reads)
+        readers: dict[str, int] = {}
+        for index in needed:
+            for tensor in self.steps[index].reads:
+                readers[tensor] = readers.get(tensor, 0) + 1
+        kept = {t for t in readers if t not in outputs}  # intermediates, released after their last reader
+        step_outputs = {
+            index: tuple(o for o, t in self.steps[index].outputs.items() if t in readers or t in outputs)
+            for index in needed
+        }
+        return Route(frozenset(needed), {t: readers[t] for t in kept}, step_outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The steps one set of requested outputs needs, what each of them must return, and who reads what."""
+
+    steps: frozenset[int]
+    releasable: dict[str, int]  # intermediate tensor -> how many of `steps` read it; dropped after the last one
+    step_outputs: dict[int, tuple[str, ...]]  # step -> the model outputs some needed step or the request reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,15 +184,15 @@ class EnsembleScheduler:
         plan = self._plan
         enqueued = time.monotonic_ns()
         wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
-        needed = plan.needed_steps(frozenset(wanted))
+        route = plan.route(frozenset(wanted))
         batch = request.batch_size if plan.batching else 0
         values: dict[str, _Value] = {t.name: (t, batch) for t in request.inputs}
         for name in plan.optional_inputs:
             values.setdefault(name, (None, batch))
-        waiting = {i: sum(1 for t in plan.steps[i].reads if t not in values) for i in needed}
+        waiting = {i: sum(1 for t in plan.steps[i].reads if t not in values) for i in route.steps}
         sink = [0, 0, 0]
         started = time.monotonic_ns()
-        await self._execute(request, values, waiting, sink)
+        await self._execute(request, route, values, waiting, sink)
         outputs = []
         for name in wanted:
             tensor, made_with = values.get(name, (None, 0))
@@ -187,15 +209,29 @@ class EnsembleScheduler:
         return InferenceResponse(request.model_name, request.model_version, outputs, id=request.id)
 
     async def _execute(
-        self, request: InferenceRequest, values: dict[str, _Value], waiting: dict[int, int], sink: list[int]
+        self,
+        request: InferenceRequest,
+        route: Route,
+        values: dict[str, _Value],
+        waiting: dict[int, int],
+        sink: list[int],
     ) -> None:
-        """Start each step once its inputs exist; raise the first step error once no step is in flight."""
+        """Start each step once its inputs exist; raise the first step error once no step is in flight.
+
+        An intermediate tensor is dropped once the last step reading it has finished, so a long pipeline holds
+        only the tensors still to be read, as Triton frees them."""
         plan = self._plan
         ready = [index for index, count in waiting.items() if count == 0]
         tasks: dict[asyncio.Task, int] = {}
         error: BaseException | None = None
+        unread = dict(route.releasable)
 
-        def produced(result: dict[str, _Value]) -> None:
+        def produced(index: int, result: dict[str, _Value]) -> None:
+            for tensor in plan.steps[index].reads:
+                if tensor in unread:
+                    unread[tensor] -= 1
+                    if unread[tensor] == 0:
+                        values.pop(tensor, None)
             for tensor, value in result.items():
                 values[tensor] = value
                 for index in plan.consumers.get(tensor, ()):
@@ -208,23 +244,25 @@ class EnsembleScheduler:
             while ready or tasks:
                 if len(ready) == 1 and not tasks:
                     # One step and none in flight (a chain): awaited here, without a task to schedule.
+                    index = ready.pop()
                     try:
-                        result = await self._run_step(plan.steps[ready.pop()], request, values, sink)
+                        result = await self._run_step(plan.steps[index], route, request, values, sink)
                     except Exception as exc:
                         error = exc
                         break
-                    produced(result)
+                    produced(index, result)
                     continue
                 for index in ready:
-                    tasks[asyncio.ensure_future(self._run_step(plan.steps[index], request, values, sink))] = index
+                    step = self._run_step(plan.steps[index], route, request, values, sink)
+                    tasks[asyncio.ensure_future(step)] = index
                 ready.clear()
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    del tasks[task]
+                    index = tasks.pop(task)
                     if task.exception() is not None:
                         error = error or task.exception()
                     elif error is None:
-                        produced(task.result())
+                        produced(index, task.result())
                 if error is not None:
                     ready.clear()  # no new steps once one failed; the ones in flight are waited for
         except BaseException:
@@ -237,7 +275,7 @@ class EnsembleScheduler:
             raise _in_ensemble(plan.name, error)
 
     async def _run_step(
-        self, step: StepPlan, request: InferenceRequest, values: dict[str, _Value], sink: list[int]
+        self, step: StepPlan, route: Route, request: InferenceRequest, values: dict[str, _Value], sink: list[int]
     ) -> dict[str, _Value]:
         inputs = []
         for item in step.inputs:
@@ -248,7 +286,7 @@ class EnsembleScheduler:
             step.model,
             step.version,
             inputs,
-            outputs=[RequestedOutput(name) for name in step.outputs],
+            outputs=[RequestedOutput(name) for name in route.step_outputs[step.index]],
             id=request.id,
             parameters=request.parameters,
             priority=request.priority,
@@ -257,7 +295,7 @@ class EnsembleScheduler:
         )
         response = await self._host.infer(step_request)
         made_with = step_request.batch_size if step.batching else 0
-        produced: dict[str, _Value] = dict.fromkeys(step.outputs.values(), (None, made_with))
+        produced: dict[str, _Value] = {step.outputs[o]: (None, made_with) for o in route.step_outputs[step.index]}
         for output in response.outputs:
             tensor = step.outputs.get(output.name)
             if tensor is not None:

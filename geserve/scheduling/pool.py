@@ -43,6 +43,8 @@ class _Worker:
             requests, future, loop = job
             outcome = _execute(self.instance, requests)
             loop.call_soon_threadsafe(self._pool._finish, self, future, outcome)
+            # Idle until the next job: hold no reference to this batch's tensors meanwhile.
+            del job, requests, future, outcome
 
 
 def _execute(instance: ModelInstance, requests: list[InferenceRequest]) -> tuple[Results, Phases] | BaseException:
