@@ -124,8 +124,6 @@ STEP_FAULTS = [
      {"wide": _step_model("wide", dims="32")},
      "in ensemble e, ensemble tensor s: inconsistent shape: [-1,16] is inferred from model add_sub while [-1,32] is "
      "inferred from model wide"),
-    ("decoupled", chain("e", "add_sub"), {"add_sub": _step_model(extra="model_transaction_policy { decoupled: true }")},
-     "in ensemble e, model add_sub is decoupled; decoupled models in ensembles are not supported"),
 ]
 
 
@@ -182,3 +180,36 @@ def test_route_asks_steps_only_for_read_outputs_and_counts_readers_of_intermedia
     assert only_sum.steps == {0, 1} and only_sum.step_outputs[0] == ("OUTPUT0",)
     assert only_sum.releasable == {"A": 1, "B": 1, "s": 1}
     assert plan.route(frozenset({"SUM"})) is only_sum  # built once per set of outputs
+
+
+def test_plan_runs_each_step_after_the_innermost_decoupled_step_it_depends_on() -> None:
+    decoupled = _step_model("split", extra="model_transaction_policy { decoupled: true }")
+    ensemble = Ensemble("e", AB, [("SUM", *INT16), ("DIFF", *INT16)], [
+        add_sub_step("add_sub", "A", "B", "s", "d"),      # 0: once per request
+        add_sub_step("split", "s", "d", "s1", "d1"),      # 1: decoupled, once per request
+        add_sub_step("split", "s1", "A", "s2", "d2"),     # 2: decoupled, once per response of 1
+        add_sub_step("add_sub", "s2", "d", "SUM", "x"),   # 3: once per response of 2
+        add_sub_step("add_sub", "d1", "B", "y", "DIFF"),  # 4: once per response of 1
+    ])
+    plan = EnsemblePlan.build(_config(ensemble), {"add_sub": _step_model(), "split": decoupled})
+    assert plan.decoupled
+    assert [step.scope for step in plan.steps] == [None, None, 1, 2, 1]
+    route = plan.route(frozenset({"SUM", "DIFF"}))
+    assert route.emit_scope == 2 and route.scope_steps == {None: (0, 1), 1: (2, 4), 2: (3,)}
+    assert plan.route(frozenset({"DIFF"})).emit_scope == 1
+    assert not EnsemblePlan.build(_config(chain("c", "add_sub")), {"add_sub": _step_model()}).decoupled
+
+
+def test_plan_refuses_a_step_reading_two_unrelated_decoupled_steps() -> None:
+    decoupled = _step_model("split", extra="model_transaction_policy { decoupled: true }")
+    ensemble = Ensemble("e", AB, OUT, [
+        add_sub_step("split", "A", "B", "s1", "d1"),
+        add_sub_step("split", "B", "A", "s2", "d2"),
+        add_sub_step("add_sub", "s1", "s2", "SUM", "DIFF"),
+    ])
+    with pytest.raises(InvalidArgumentError) as caught:
+        EnsemblePlan.build(_config(ensemble), {"add_sub": _step_model(), "split": decoupled})
+    assert caught.value.message == (
+        "in ensemble 'e', step 2 (add_sub) reads the responses of decoupled steps 0 (split) and 1 (split), neither "
+        "of which runs after the other: their responses cannot be paired"
+    )

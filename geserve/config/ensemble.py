@@ -163,11 +163,6 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
         tensors[tensor.name] = _TensorNode(name, tensor.data_type, _io_dims(tensor), batching)
     for step in config.ensemble_scheduling.step:
         model = step_configs[step.model_name]
-        if model.model_transaction_policy.decoupled:
-            raise _error(
-                f"in ensemble {name}, model {step.model_name} is decoupled; decoupled models in ensembles are not "
-                f"supported"
-            )
         if model.max_batch_size != 0 and model.max_batch_size < config.max_batch_size:
             raise _error(
                 f"ensemble {name} allows maximum batch size {config.max_batch_size}, but it contains model "

@@ -66,6 +66,8 @@ class Dependencies:
                     f"'{step.model_name}' failed with error: {self._reason(step.model_name, exc)}"
                 ) from None
         validate_ensemble_steps(config, configs)  # a mismatch stays blocked: a fixed composing model may cure it
+        if any(c.model_transaction_policy.decoupled for c in configs.values()):
+            config.model_transaction_policy.decoupled = True  # as Triton marks it: it answers with a stream
         self._blocked.discard(ensemble)
         return configs
 
