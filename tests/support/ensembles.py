@@ -171,3 +171,12 @@ def chain(name: str, model: str, max_batch_size: int = 8) -> Ensemble:
         [add_sub_step(model, "A", "B", "s", "d"), add_sub_step(model, "s", "d", "SUM", "DIFF")],
         max_batch_size,
     )
+
+
+def repeat_inc(name: str = "repeat_inc") -> Ensemble:
+    """IN -> repeat (decoupled: one response per element) -> o -> inc -> Y = o + 1; IDX straight from repeat."""
+    return Ensemble(
+        name, [("IN", "TYPE_INT32", (-1,))], [("Y", "TYPE_INT32", (1,)), ("IDX", "TYPE_UINT32", (1,))],
+        [Step("repeat", {"IN": "IN"}, {"OUT": "o", "IDX": "IDX"}), Step("inc", {"X": "o"}, {"Y": "Y"})],
+        max_batch_size=0,
+    )
