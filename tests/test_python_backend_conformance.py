@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.support.ensembles import repeat_inc
 from tests.support.python_repo import geserve_repository, triton_repository
 from tests.support.reference import BootingTriton, reference_available, reference_unavailable_reason
 from tests.support.server import geserve
@@ -59,6 +60,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     root = tmp_path_factory.mktemp("python-conformance")
     triton_repo = triton_repository(root / "triton").resolve()
     geserve_repo = geserve_repository(root / "geserve")
+    for repo in (triton_repo, geserve_repo):
+        repeat_inc().write(repo)
     triton = BootingTriton(triton_repo, root)
     try:
         with geserve([geserve_repo], root / "geserve.log") as server:
@@ -233,6 +236,55 @@ def test_decoupled_requests_interleave_on_one_stream(pair: Pair) -> None:
         by_id.append({rid: [m for m in messages if m[0] == rid] for rid in ("a", "b")})
     assert by_id[0] == by_id[1]
     assert [m[2].get("OUT") for m in by_id[0]["a"]] == [[1], [2], [3], None]
+
+
+def ensemble_stream(target: Target, values: list[int]) -> tuple[list, bool]:
+    """What one request to `repeat_inc` streams back: its responses and errors in order, and whether the stream
+    ended with the final flag. A final flag sent alone (an empty final response) and one sent with the last
+    response read the same: when it comes is a race in both servers. An error ends the stream (nothing within
+    0.5 s after it)."""
+    received: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(target.grpc)
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    try:
+        tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
+        tensor.set_data_from_numpy(np.array(values, np.int32))
+        client.async_stream_infer("repeat_inc", [tensor], request_id="e1", enable_empty_final_response=True)
+        messages: list = []
+        while True:
+            try:
+                result, error = received.get(timeout=0.5 if messages and messages[-1][0] == "error" else 20)
+            except queue.Empty:
+                return messages, False
+            if error is not None:
+                messages.append(("error", target.clean(error.message())))
+                continue
+            response = result.get_response()
+            outputs = {o.name: result.as_numpy(o.name).tolist() for o in sorted(response.outputs, key=lambda o: o.name)}
+            if outputs:
+                messages.append((response.id, response.model_name, outputs))
+            if response.parameters["triton_final_response"].bool_param:
+                return messages, True
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("values", [[1, 2, 3], [5, 99, 6], [], [7, -3], [-2]])
+def test_ensemble_with_a_decoupled_step_matches(pair: Pair, values: list[int]) -> None:
+    """Each response of the decoupled `repeat` runs `inc` once more; the ensemble streams each result."""
+    ge, triton = (ensemble_stream(t, values) for t in pair)
+    assert ge == triton
+    if values == [1, 2, 3]:
+        assert ge == ([("e1", "repeat_inc", {"IDX": [i], "Y": [v + 1]}) for i, v in enumerate(values)], True)
+
+
+def test_an_ensemble_with_a_decoupled_step_is_decoupled(pair: Pair) -> None:
+    configs = [get_json(t, "/v2/models/repeat_inc/config")["model_transaction_policy"] for t in pair]
+    assert configs == [{"decoupled": True}] * 2
+    refusals = [infer(t, "repeat_inc", [("IN", np.array([1], np.int32), "INT32")]) for t in pair]
+    assert refusals[0] == refusals[1] == ("501", "HTTP end point doesn't support models with decoupled "
+                                                 "transaction policy")
 
 
 def _counts(target: Target, model: str) -> tuple[int, int, int, int]:

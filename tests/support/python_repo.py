@@ -14,7 +14,7 @@ from tests.support import models
 from tests.support.reference import build_python_backend_repository
 
 PYTHON_MODELS = Path(__file__).resolve().parent / "python_models"
-SHARED = ("add_sub", "identity", "bls", "repeat", "auto_complete")  # run unchanged on both servers
+SHARED = ("add_sub", "identity", "bls", "repeat", "inc", "auto_complete")  # run unchanged on both servers
 
 
 def _copy(names: Iterable[str], dest: Path) -> None:
