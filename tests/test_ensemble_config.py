@@ -7,7 +7,7 @@ import pytest
 from geserve.config import ModelConfig, fill_defaults, parse_config_text, validate
 from geserve.config.ensemble import validate_ensemble_steps
 from geserve.errors import InvalidArgumentError
-from geserve.scheduling.ensemble import EnsemblePlan
+from geserve.scheduling.ensemble_plan import EnsemblePlan
 from tests.support.ensembles import AB, INT16, Ensemble, Step, add_sub_step, chain
 
 OUT = [("SUM", *INT16), ("DIFF", *INT16)]

@@ -21,7 +21,8 @@ from geserve.repository.dependencies import Dependencies
 from geserve.repository.model import LoadedModel, ModelState, VersionStatus, tensor_specs
 from geserve.repository.store import ModelStore, available_versions, select_versions
 from geserve.scheduling.base import create_scheduler
-from geserve.scheduling.ensemble import EnsemblePlan, EnsembleSetup
+from geserve.scheduling.ensemble import EnsembleSetup
+from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
 
 logger = logging.getLogger(__name__)

@@ -13,189 +13,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 from geserve.backends.base import InferenceHost
-from geserve.config import ModelConfig
 from geserve.core.statistics import ModelStatistics
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError
+from geserve.scheduling.ensemble_plan import EnsemblePlan, Route, StepPlan
 from geserve.scheduling.inflight import InflightTracker
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from geserve.types.streams import StreamResponse
 
 # An ensemble tensor's value and the batch size of the request that made it (0: made without batching).
 _Value = tuple[InputTensor | None, int]
-
-
-@dataclass(frozen=True, slots=True)
-class StepInput:
-    model_input: str
-    tensor: str
-    dims: tuple[int, ...]  # the step model's config dims, to move a tensor between batching and non-batching
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    index: int
-    model: str
-    version: str  # "" for the latest ready version (model_version -1)
-    batching: bool
-    inputs: tuple[StepInput, ...]
-    outputs: dict[str, str]  # model output -> ensemble tensor
-    reads: frozenset[str]  # the distinct ensemble tensors the step waits for
-    decoupled: bool = False
-    # The innermost decoupled step this one runs after (once per response of it); None: once per request.
-    scope: int | None = None
-
-
-@dataclass(slots=True)
-class EnsemblePlan:
-    """The steps and how tensors connect them; built once per loaded ensemble version."""
-
-    name: str
-    batching: bool
-    steps: tuple[StepPlan, ...]
-    outputs: tuple[str, ...]  # ensemble outputs, in config order
-    output_dims: dict[str, tuple[int, ...]]
-    optional_inputs: tuple[str, ...]
-    consumers: dict[str, tuple[int, ...]]  # tensor -> steps reading it
-    producer: dict[str, int]  # tensor -> the step writing it
-    decoupled: bool = False  # some step is decoupled, so the ensemble answers with a stream
-    tensor_scope: dict[str, int | None] = field(default_factory=dict)  # see StepPlan.scope
-    _routes: dict[frozenset[str], Route] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, config: ModelConfig, step_configs: dict[str, ModelConfig]) -> EnsemblePlan:
-        steps = []
-        for index, step in enumerate(config.ensemble_scheduling.step):
-            model = step_configs[step.model_name]
-            dims = {t.name: tuple(t.dims) for t in model.input}
-            inputs = tuple(StepInput(i, t, dims[i]) for i, t in sorted(step.input_map.items()))
-            version = "" if step.model_version < 0 else str(step.model_version)
-            outputs = dict(sorted(step.output_map.items()))
-            steps.append(
-                StepPlan(index, step.model_name, version, model.max_batch_size > 0, inputs, outputs,
-                         frozenset(step.input_map.values()), model.model_transaction_policy.decoupled)
-            )
-        consumers: dict[str, list[int]] = {}
-        producer: dict[str, int] = {}
-        for step in steps:
-            for tensor in step.reads:
-                consumers.setdefault(tensor, []).append(step.index)
-            for tensor in step.outputs.values():
-                producer[tensor] = step.index
-        scopes = _Scopes(config.name, steps, producer)
-        scopes.deepest([t.name for t in config.output], "the ensemble's outputs")
-        return cls(
-            name=config.name,
-            batching=config.max_batch_size > 0,
-            steps=tuple(replace(step, scope=scopes.of_step(step.index)) for step in steps),
-            outputs=tuple(t.name for t in config.output),
-            output_dims={t.name: tuple(t.dims) for t in config.output},
-            optional_inputs=tuple(t.name for t in config.input if t.optional),
-            consumers={t: tuple(s) for t, s in consumers.items()},
-            producer=producer,
-            decoupled=any(step.decoupled for step in steps),
-            tensor_scope=scopes.tensors,
-        )
-
-    def route(self, outputs: frozenset[str]) -> Route:
-        """How a request for `outputs` runs; built once per distinct set of requested outputs."""
-        route = self._routes.get(outputs)
-        if route is None:
-            route = self._routes[outputs] = self._build_route(outputs)
-        return route
-
-    def _build_route(self, outputs: frozenset[str]) -> Route:
-        # Only the steps leading to `outputs` run, as Triton prunes the others.
-        needed: set[int] = set()
-        pending = list(outputs)
-        while pending:
-            index = self.producer.get(pending.pop())
-            if index is not None and index not in needed:
-                needed.add(index)
-                pending.extend(self.steps[index].reads)
-        readers: dict[str, int] = {}
-        for index in needed:
-            for tensor in self.steps[index].reads:
-                readers[tensor] = readers.get(tensor, 0) + 1
-        kept = {t for t in readers if t not in outputs}  # intermediates, released after their last reader
-        step_outputs = {
-            index: tuple(o for o, t in self.steps[index].outputs.items() if t in readers or t in outputs)
-            for index in needed
-        }
-        scope_steps: dict[int | None, list[int]] = {}
-        for index in sorted(needed):
-            scope_steps.setdefault(self.steps[index].scope, []).append(index)
-        # Checked at build: the outputs' scopes nest, so the deepest one sees them all.
-        emit_scope = max((self.tensor_scope.get(t) for t in outputs), key=self._depth, default=None)
-        return Route(frozenset(needed), {t: readers[t] for t in kept}, step_outputs,
-                     {k: tuple(v) for k, v in scope_steps.items()}, emit_scope)
-
-    def _depth(self, scope: int | None) -> int:
-        depth = 0
-        while scope is not None:
-            depth, scope = depth + 1, self.steps[scope].scope
-        return depth
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """The steps one set of requested outputs needs, what each of them must return, and who reads what."""
-
-    steps: frozenset[int]
-    releasable: dict[str, int]  # intermediate tensor -> how many of `steps` read it; dropped after the last one
-    step_outputs: dict[int, tuple[str, ...]]  # step -> the model outputs some needed step or the request reads
-    scope_steps: dict[int | None, tuple[int, ...]] = field(default_factory=dict)  # StepPlan.scope -> steps
-    emit_scope: int | None = None  # each run of this scope answers the request once
-
-
-class _Scopes:
-    """Which decoupled step each step and tensor runs after: the innermost one among those it depends on.
-
-    Those must nest (each runs after the other). A step reading the responses of two decoupled steps that do not
-    would need their responses paired up, which Triton leaves undefined: such an ensemble is refused."""
-
-    def __init__(self, name: str, steps: list[StepPlan], producer: dict[str, int]) -> None:
-        self._name, self._steps, self._producer = name, steps, producer
-        self._step_scopes: dict[int, int | None] = {}
-        self.tensors: dict[str, int | None] = {}
-
-    def of_step(self, index: int) -> int | None:
-        if index not in self._step_scopes:
-            step = self._steps[index]
-            self._step_scopes[index] = self.deepest(sorted(step.reads), f"step {index} ({step.model})")
-        return self._step_scopes[index]
-
-    def of_tensor(self, tensor: str) -> int | None:
-        if tensor not in self.tensors:
-            index = self._producer.get(tensor)
-            scope = None if index is None else index if self._steps[index].decoupled else self.of_step(index)
-            self.tensors[tensor] = scope
-        return self.tensors[tensor]
-
-    def _chain(self, scope: int | None) -> list[int]:
-        chain = []
-        while scope is not None:
-            chain.append(scope)
-            scope = self.of_step(scope)
-        return chain
-
-    def deepest(self, tensors: list[str], reader: str) -> int | None:
-        deepest: int | None = None
-        for scope in map(self.of_tensor, tensors):
-            if scope is None or scope in self._chain(deepest):
-                continue
-            if deepest is not None and deepest not in self._chain(scope):
-                first, second = self._steps[deepest], self._steps[scope]
-                raise InvalidArgumentError(
-                    f"in ensemble '{self._name}', {reader} reads the responses of decoupled steps {first.index} "
-                    f"({first.model}) and {second.index} ({second.model}), neither of which runs after the other: "
-                    f"their responses cannot be paired"
-                )
-            deepest = scope
-        return deepest
 
 
 @dataclass(frozen=True, slots=True)
