@@ -262,7 +262,7 @@ def main() -> int:
         commands["geserve"] = [str(a) for a in server.process.args]  # type: ignore[union-attr]
         triton_repo = triton_repository(source, root / "triton", [PIPELINE])
         triton_url = stack.enter_context(
-            reference.reference_triton(triton_repo, log_path=RESULTS / "pipeline_bench.triton.log", timeout=180)
+            reference.reference_triton(triton_repo, RESULTS, timeout=180, log_name="pipeline_bench.triton")
         )
         urls = {"geserve": f"127.0.0.1:{server.http_port}",
                 "triton": triton_url.removeprefix("http://")}

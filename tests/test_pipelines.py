@@ -208,7 +208,7 @@ def triton(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """The real Triton on the same pipelines, GE models served as Python-backend ONNX Runtime models."""
     root = tmp_path_factory.mktemp("pipelines-triton")
     repo = triton_repository(REPOSITORY, root / "repo", PIPELINES)
-    with reference_triton(repo, log_path=root / "tritonserver.log", timeout=180) as url:
+    with reference_triton(repo, root, timeout=180) as url:
         client = httpclient.InferenceServerClient(url.removeprefix("http://"))
         yield client
         client.close()

@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -472,16 +471,20 @@ class BootingTriton:
 
     `wait()` blocks until it is ready. Its Python-backend stub sometimes dies at start-up under load (a boost
     interprocess lock): that is the reference failing, not what a test checks, so it is started once more.
+    Logs go to `<log_dir>/<log_name><attempt>.log`.
     """
 
-    def __init__(self, repo: Path, log_dir: Path, **options: Any) -> None:
+    def __init__(
+        self, repo: Path, log_dir: Path, *, timeout: float = READY_TIMEOUT_S, log_name: str = "triton", **options: Any
+    ) -> None:
         self._repo, self._log_dir, self._options = repo, Path(log_dir), options
+        self._timeout, self._log_name = timeout, log_name
         self._attempt = 0
         self._start()
 
     def _start(self) -> None:
         self._attempt += 1
-        self.log_path = self._log_dir / f"triton{self._attempt}.log"
+        self.log_path = self._log_dir / f"{self._log_name}{self._attempt}.log"
         self.http_port, self.grpc_port = free_port(), free_port()
         self.process = start_reference_triton(
             self._repo, self.http_port, self.grpc_port, free_port(), self.log_path, **self._options
@@ -501,62 +504,27 @@ class BootingTriton:
 
     def wait(self) -> None:
         try:
-            wait_ready(self.url, process=self.process, log_path=self.log_path)
+            wait_ready(self.url, self._timeout, process=self.process, log_path=self.log_path)
         except RuntimeError:
             if self._attempt > 1:
                 raise
             stop_process(self.process)
             self._start()
-            wait_ready(self.url, process=self.process, log_path=self.log_path)
+            wait_ready(self.url, self._timeout, process=self.process, log_path=self.log_path)
 
     def stop(self) -> None:
         stop_process(self.process)
 
 
 @contextlib.contextmanager
-def reference_triton(
-    repo: Path,
-    *,
-    http_port: int | None = None,
-    grpc_port: int | None = None,
-    metrics_port: int | None = None,
-    log_path: Path | None = None,
-    model_control_mode: str = "none",
-    load_models: Sequence[str] = (),
-    extra_args: Sequence[str] = (),
-    exit_timeout_s: int = 5,
-    timeout: float = READY_TIMEOUT_S,
-) -> Iterator[str]:
-    """Run the real tritonserver on ``repo`` and yield its HTTP base url (``http://127.0.0.1:PORT``).
-
-    Ports default to free ones; the gRPC/metrics ports can be read back from the log or passed in.
-    """
-    http_port = http_port or free_port()
-    grpc_port = grpc_port or free_port()
-    metrics_port = metrics_port or free_port()
-    tmp: tempfile.TemporaryDirectory[str] | None = None
-    if log_path is None:
-        tmp = tempfile.TemporaryDirectory(prefix="ref-triton-")
-        log_path = Path(tmp.name) / "tritonserver.log"
-    process = start_reference_triton(
-        repo,
-        http_port,
-        grpc_port,
-        metrics_port,
-        log_path,
-        model_control_mode=model_control_mode,
-        load_models=load_models,
-        extra_args=extra_args,
-        exit_timeout_s=exit_timeout_s,
-    )
+def reference_triton(repo: Path, log_dir: Path, **options: Any) -> Iterator[str]:
+    """The real tritonserver on `repo` (see BootingTriton for `options`), ready; yields its HTTP base url."""
+    triton = BootingTriton(repo, log_dir, **options)
     try:
-        url = f"http://127.0.0.1:{http_port}"
-        wait_ready(url, timeout, process=process, log_path=log_path)
-        yield url
+        triton.wait()
+        yield triton.url
     finally:
-        stop_process(process)
-        if tmp is not None:
-            tmp.cleanup()
+        triton.stop()
 
 
 __all__ = [
