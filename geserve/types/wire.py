@@ -11,6 +11,32 @@ from geserve.types.tensors import Tensor
 LENGTH_PREFIX = struct.Struct("<I")
 
 
+class FramingError(Exception):
+    """BYTES data that ends inside element `index`: inside its length prefix (`length` None) or its bytes."""
+
+    def __init__(self, index: int, length: int | None, available: int) -> None:
+        super().__init__(index, length, available)
+        self.index, self.length, self.available = index, length, available
+
+
+def split_bytes(view: memoryview, count: int | None = None) -> tuple[list[bytes], int]:
+    """Length-prefixed BYTES elements: the first `count` (all, if None) and the offset after the last of them.
+
+    Each protocol words its own errors (Triton's differ between HTTP and gRPC), so a bad frame is a FramingError."""
+    items: list[bytes] = []
+    offset, end = 0, len(view)
+    while offset < end and (count is None or len(items) < count):
+        if offset + 4 > end:
+            raise FramingError(len(items), None, end - offset)
+        (length,) = LENGTH_PREFIX.unpack_from(view, offset)
+        offset += 4
+        if offset + length > end:
+            raise FramingError(len(items), length, end - offset)
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    return items, offset
+
+
 def tensor_bytes(tensor: Tensor, copy: bool = False) -> bytes | memoryview:
     """A tensor's wire bytes: a view of the array's memory (a copy if asked), or prefixed BYTES elements."""
     data = tensor.data

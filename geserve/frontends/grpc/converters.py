@@ -8,7 +8,6 @@ finds in its core rather than its frontend (a byte size or string count that doe
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +18,9 @@ from tritonclient.grpc import service_pb2 as pb
 from geserve.core.shared_memory import RegionStatus, SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
-from geserve.types.wire import tensor_bytes
+from geserve.types.wire import FramingError, split_bytes, tensor_bytes
 
 INVALID_DATATYPE = "<invalid>"  # what Triton's core calls a datatype it does not know
-_LENGTH = struct.Struct("<I")
 _INT64_MAX = 2**63 - 1
 # The typed contents field each datatype travels in, and the datatype each field holds (for Triton's messages).
 _FIELD_OF = {
@@ -266,27 +264,19 @@ def _decode(
 def _split_bytes(
     request: InferenceRequest, name: str, buffer: bytes | memoryview
 ) -> tuple[list[bytes], GeserveError | None]:
-    """BYTES on the wire: each element a 4-byte little-endian length, then its bytes."""
-    view = memoryview(buffer)
-    items: list[bytes] = []
-    offset, end = 0, len(view)
-    while offset < end:
-        if offset + 4 > end:
-            return items, InvalidArgumentError(
+    try:
+        return split_bytes(memoryview(buffer))[0], None
+    except FramingError as exc:
+        if exc.length is None:
+            return [], InvalidArgumentError(
                 f"{_prefix(request)}incomplete string length indicator for inference input '{name}' for model "
-                f"'{request.model_name}', expecting 4 bytes but only {end - offset} bytes available. Please make "
+                f"'{request.model_name}', expecting 4 bytes but only {exc.available} bytes available. Please make "
                 f"sure the string length indicator is in one buffer."
             )
-        (length,) = _LENGTH.unpack_from(view, offset)
-        offset += 4
-        if offset + length > end:
-            return items, InvalidArgumentError(
-                f"incomplete string data for inference input '{name}', expecting string of length {length} but "
-                f"only {end - offset} bytes available"
-            )
-        items.append(bytes(view[offset : offset + length]))
-        offset += length
-    return items, None
+        return [], InvalidArgumentError(
+            f"incomplete string data for inference input '{name}', expecting string of length {exc.length} but "
+            f"only {exc.available} bytes available"
+        )
 
 
 def _from_requested_output(output: Any, shm: SharedMemoryRegistry, decoded: DecodedRequest) -> RequestedOutput:

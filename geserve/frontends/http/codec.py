@@ -6,7 +6,6 @@ view straight into the request body (`np.frombuffer`), never a copy.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import numpy as np
@@ -16,11 +15,10 @@ from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import InternalError, InvalidArgumentError, NotFoundError
 from geserve.repository.model import LoadedModel
 from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
-from geserve.types.wire import tensor_bytes
+from geserve.types.wire import FramingError, split_bytes, tensor_bytes
 
 _NUMPY_JSON = orjson.OPT_SERIALIZE_NUMPY
 _ORJSON_NATIVE_KINDS = frozenset("biuf")
-_LENGTH = struct.Struct("<I")
 # numpy kinds of JSON values each tensor kind accepts: integers for integers, numbers for floats, bools for BOOL.
 _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "fiu", "V": "fiu"}
 _NOT_BOOLEAN = "Unable to parse '{}': attempt to access JSON non-boolean as boolean"
@@ -249,23 +247,26 @@ def _flatten(data: Any) -> list[Any]:
 
 
 def _decode_bytes(name: str, view: memoryview, count: int) -> np.ndarray:
-    """BYTES on the wire: each element is a 4-byte little-endian length followed by its bytes."""
-    array = np.empty(count, dtype=object)
-    offset, end = 0, len(view)
-    for index in range(count):
-        if offset + 4 > end:
-            raise InvalidArgumentError(f"unexpected end of BYTES data for input '{name}' at element {index}")
-        (length,) = _LENGTH.unpack_from(view, offset)
-        offset += 4
-        if offset + length > end:
-            raise InvalidArgumentError(f"BYTES element {index} of input '{name}' runs past its binary data")
-        array[index] = bytes(view[offset : offset + length])
-        offset += length
-    if offset != end:
+    try:
+        items, offset = split_bytes(view, count)
+    except FramingError as exc:
+        if exc.length is None:
+            raise _bytes_ended(name, exc.index) from None
+        message = f"BYTES element {exc.index} of input '{name}' runs past its binary data"
+        raise InvalidArgumentError(message) from None
+    if len(items) < count:
+        raise _bytes_ended(name, len(items))
+    if offset != len(view):
         raise InvalidArgumentError(
-            f"input '{name}' has {end - offset} bytes of BYTES data beyond the {count} elements its shape holds"
+            f"input '{name}' has {len(view) - offset} bytes of BYTES data beyond the {count} elements its shape holds"
         )
+    array = np.empty(count, dtype=object)
+    array[:] = items
     return array
+
+
+def _bytes_ended(name: str, index: int) -> InvalidArgumentError:
+    return InvalidArgumentError(f"unexpected end of BYTES data for input '{name}' at element {index}")
 
 
 def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
