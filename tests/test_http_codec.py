@@ -71,6 +71,21 @@ def test_malformed_requests_are_invalid_argument(header: dict, binary: bytes) ->
         decode_infer_request(body, length, "m", "", None)
 
 
+@pytest.mark.parametrize(("count", "raw", "message"), [
+    (2, struct.pack("<I", 1) + b"x", "unexpected end of BYTES data for input 's' at element 1"),
+    (1, b"\x01\x00", "unexpected end of BYTES data for input 's' at element 0"),
+    (1, struct.pack("<I", 10) + b"abc", "BYTES element 0 of input 's' runs past its binary data"),
+    (1, (struct.pack("<I", 1) + b"x") * 2, "input 's' has 5 bytes of BYTES data beyond the 1 elements its shape holds"),
+], ids=["missing-element", "cut-length", "cut-element", "extra-element"])
+def test_bytes_framing_errors_name_the_element(count: int, raw: bytes, message: str) -> None:
+    header = {"inputs": [{"name": "s", "shape": [count], "datatype": "BYTES",
+                          "parameters": {"binary_data_size": len(raw)}}]}
+    body, length = _body(header, raw)
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_infer_request(body, length, "m", "", None)
+    assert caught.value.message == message
+
+
 def test_malformed_json_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgumentError, match="failed to parse"):
         decode_infer_request(b'{"inputs": [', None, "m", "", None)
