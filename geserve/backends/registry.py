@@ -12,13 +12,14 @@ from geserve.backends.python import PythonBackend
 from geserve.config import ModelConfig
 from geserve.config.ensemble import ENSEMBLE_PLATFORM
 from geserve.errors import InvalidArgumentError
+from geserve.metrics.custom import CustomMetricStore
 
-# backend name -> factory; every GE dialect also reads `--backend-config=ge,...`
-_BACKENDS: dict[str, Callable[[BackendSettings, InferenceHost], Backend]] = {
-    "ge": lambda settings, _host: GeBackend(settings),
-    "npu_ge": lambda settings, _host: GeBackend(settings),
-    "onnxruntime": lambda settings, _host: GeBackend(settings),
-    "ensemble": EnsembleBackend,
+# backend name -> factory(settings, host, custom metrics); every GE dialect also reads `--backend-config=ge,...`
+_BACKENDS: dict[str, Callable[[BackendSettings, InferenceHost, CustomMetricStore], Backend]] = {
+    "ge": lambda settings, _host, _metrics: GeBackend(settings),
+    "npu_ge": lambda settings, _host, _metrics: GeBackend(settings),
+    "onnxruntime": lambda settings, _host, _metrics: GeBackend(settings),
+    "ensemble": lambda settings, host, _metrics: EnsembleBackend(settings, host),
     "python": PythonBackend,
 }
 # platform -> backend, as Triton pairs them; an ensemble keeps its `backend` empty, as Triton prints it
@@ -27,10 +28,12 @@ _DETECTABLE = {"model.onnx": ("onnxruntime_onnx", "onnxruntime"), "model.py": ("
 
 
 class BackendRegistry:
-    """Creates each backend once, with the server's `--backend-config` settings for it."""
+    """Creates each backend once, with the server's `--backend-config` settings for it and the store of the
+    custom metrics models create."""
 
-    def __init__(self, settings: dict[str, dict[str, str]]) -> None:
+    def __init__(self, settings: dict[str, dict[str, str]], custom_metrics: CustomMetricStore | None = None) -> None:
         self._settings = settings
+        self.custom_metrics = custom_metrics if custom_metrics is not None else CustomMetricStore()
         self._instances: dict[str, Backend] = {}
         self._host: InferenceHost | None = None
 
@@ -82,5 +85,5 @@ class BackendRegistry:
             )
         if name not in self._instances:
             merged = {**self._settings.get("ge", {}), **self._settings.get(name, {})}
-            self._instances[name] = factory(BackendSettings(merged), self.host)
+            self._instances[name] = factory(BackendSettings(merged), self.host, self.custom_metrics)
         return self._instances[name]

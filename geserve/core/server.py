@@ -17,7 +17,8 @@ from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.server import create_http_server
 from geserve.frontends.metrics import MetricsOptions, MetricsService
-from geserve.metrics import MetricsConfig
+from geserve.metrics import CustomMetricStore, MetricsConfig
+from geserve.metrics.collector import SERVER_FAMILY_NAMES
 from geserve.metrics.latency import LatencyRecorder
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.store import ModelStore
@@ -40,7 +41,9 @@ class Server:
             raise StartupError("at least one --model-repository is required")
         self.settings = settings
         self.store = ModelStore(settings.model_repositories)
-        registry = BackendRegistry(settings.backend_config)
+        # Kept even with --allow-metrics=false, so models that update custom metrics run unchanged.
+        self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES)
+        registry = BackendRegistry(settings.backend_config, self.custom_metrics)
         metrics_config = _metrics_config(settings)
         self.manager = ModelManager(
             self.store,
@@ -64,7 +67,10 @@ class Server:
         self.trace_settings = TraceSettings()
         self._http = None
         self._grpc: GrpcServer | None = None
-        self.metrics = _metrics_service(settings, metrics_config, self.manager) if settings.allow_metrics else None
+        self.metrics = (
+            _metrics_service(settings, metrics_config, self.manager, self.custom_metrics)
+            if settings.allow_metrics else None
+        )
         self._stopped = asyncio.Event()
 
     async def load_initial_models(self) -> None:
@@ -168,8 +174,10 @@ def _latency_observer_factory(settings: ServerSettings, config: MetricsConfig) -
     return lambda: LatencyRecorder(config)
 
 
-def _metrics_service(settings: ServerSettings, config: MetricsConfig, manager: ModelManager) -> MetricsService:
+def _metrics_service(
+    settings: ServerSettings, config: MetricsConfig, manager: ModelManager, custom: CustomMetricStore
+) -> MetricsService:
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
     options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms,
                              settings.allow_cpu_metrics, config)
-    return MetricsService(manager, options)
+    return MetricsService(manager, options, custom)

@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from geserve.frontends.http.native_server import NativeHttpServer
-from geserve.metrics import CONTENT_TYPE, MetricsConfig, build_registry, render
+from geserve.metrics import CONTENT_TYPE, CustomMetricStore, MetricsConfig, build_registry, render
 from geserve.metrics.system import CpuSampler
 from geserve.repository.lifecycle import ModelManager
 
@@ -59,14 +59,16 @@ class MetricsOptions:
 class MetricsService:
     """The registry, the CPU sampler on its interval, and the endpoint; started and stopped with the server."""
 
-    def __init__(self, manager: ModelManager, options: MetricsOptions) -> None:
+    def __init__(
+        self, manager: ModelManager, options: MetricsOptions, custom: CustomMetricStore | None = None
+    ) -> None:
         self.options = options
         self._manager = manager
         self._cpu = CpuSampler() if options.allow_cpu else None
         if self._cpu is not None and not self._cpu.available:
             logger.warning("CPU metrics are unavailable on this platform (no /proc)")
             self._cpu = None
-        self.registry = build_registry(manager, options.config, self._cpu)
+        self.registry = build_registry(manager, options.config, self._cpu, custom)
         self._http: NativeHttpServer | None = None
         self._http_task: asyncio.Task | None = None
         self._sampler: asyncio.Task | None = None

@@ -2,6 +2,10 @@
 
 from geserve.metrics.collector import InferenceCollector, build_registry
 from geserve.metrics.config import MetricsConfig
+from geserve.metrics.custom import CustomMetricError, CustomMetricStore
 from geserve.metrics.exposition import CONTENT_TYPE, render
 
-__all__ = ["CONTENT_TYPE", "InferenceCollector", "MetricsConfig", "build_registry", "render"]
+__all__ = [
+    "CONTENT_TYPE", "CustomMetricError", "CustomMetricStore", "InferenceCollector", "MetricsConfig", "build_registry",
+    "render",
+]

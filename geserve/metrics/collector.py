@@ -2,24 +2,28 @@
 
 Nothing here runs on the inference path: counters come from each model's ModelStatistics, gauges from the
 manager and the schedulers, when Prometheus scrapes. Device families (`ge_device_*`, reported where a device
-can report them) register their own collector into the same injected registry.
+can report them) register their own collector into the same injected registry, and so do the custom families
+Python models create (`custom.CustomMetricStore`), after all of these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from geserve.core.statistics import FAILURE_REASONS
 from geserve.metrics.config import MetricsConfig
+from geserve.metrics.custom import CustomMetricStore
 from geserve.metrics.exposition import format_value
 from geserve.metrics.latency import SUMMARY_FAMILIES, LatencyRecorder
 from geserve.metrics.system import CpuSampler
-from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel, ModelState
+
+if TYPE_CHECKING:  # the lifecycle imports the backends, whose Python backend imports geserve.metrics
+    from geserve.repository.lifecycle import ModelManager
 
 _COUNTS = (
     ("nv_inference_count", "Number of inferences performed (does not include cached requests)", "inference_count"),
@@ -57,6 +61,14 @@ _OPTIONAL_COUNTERS = (
     ("padding_rows", "ge_batch_padding_rows_total", "Rows of padding added to fill batch gears"),
     ("allocation_failures", "ge_memory_pool_allocation_failures_total", "Failed memory-pool allocations"),
 )
+# Every family this collector may write: custom families cannot take these names.
+SERVER_FAMILY_NAMES = frozenset({
+    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_pending_request_count",
+    "nv_model_load_duration_secs", "nv_inference_first_response_histogram_ms", "nv_cpu_utilization",
+    "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes", "ge_batch_size", "ge_model_instances", "ge_model_state",
+    *(name for name, _, _ in _COUNTS), *(name for name, _, _ in _DURATIONS), *(name for name, _ in _SUMMARIES.values()),
+    *(name for _, name, _ in _OPTIONAL_COUNTERS),
+})
 
 
 def _labels(model: LoadedModel, **extra: str) -> dict[str, str]:
@@ -220,8 +232,14 @@ def _add_histogram(
     family.add_sample(family.name + "_count", _labels(model), cumulative[-1])
 
 
-def build_registry(manager: ModelManager, config: MetricsConfig, cpu: CpuSampler | None = None) -> CollectorRegistry:
-    """The server's one registry (never prometheus_client's global one), holding the inference collector."""
+def build_registry(
+    manager: ModelManager, config: MetricsConfig, cpu: CpuSampler | None = None,
+    custom: CustomMetricStore | None = None,
+) -> CollectorRegistry:
+    """The server's one registry (never prometheus_client's global one): the inference collector, then the
+    custom families of Python models."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(InferenceCollector(manager, config, cpu))
+    if custom is not None:
+        registry.register(custom)
     return registry

@@ -13,13 +13,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def format_value(value: float) -> str:
+    """A double as prometheus-cpp (Triton's writer) prints it: `%.16g` (`1`, `0.1`, `1e+20`), `Nan`, `+Inf`."""
     if math.isnan(value):
-        return "NaN"
+        return "Nan"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+    return f"{value:.16g}"
 
 
 def _escape_label(value: str) -> str:
@@ -31,13 +30,14 @@ def _escape_help(text: str) -> str:
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    """Every family with at least one sample, HELP and TYPE first."""
+    """Every family with at least one sample, HELP (unless it has no description, as Triton) and TYPE first."""
     lines: list[str] = []
     for family in registry.collect():
         if not family.samples:
             continue
         kind = "untyped" if family.type == "unknown" else family.type
-        lines.append(f"# HELP {family.name} {_escape_help(family.documentation)}")
+        if family.documentation:
+            lines.append(f"# HELP {family.name} {_escape_help(family.documentation)}")
         lines.append(f"# TYPE {family.name} {kind}")
         for sample in family.samples:
             labels = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in sample.labels.items())

@@ -485,9 +485,9 @@ class BootingTriton:
     def _start(self) -> None:
         self._attempt += 1
         self.log_path = self._log_dir / f"{self._log_name}{self._attempt}.log"
-        self.http_port, self.grpc_port = free_port(), free_port()
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.process = start_reference_triton(
-            self._repo, self.http_port, self.grpc_port, free_port(), self.log_path, **self._options
+            self._repo, self.http_port, self.grpc_port, self.metrics_port, self.log_path, **self._options
         )
 
     @property
@@ -501,6 +501,10 @@ class BootingTriton:
     @property
     def grpc(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def wait(self) -> None:
         try:

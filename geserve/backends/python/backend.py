@@ -9,11 +9,12 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from geserve.backends.base import BackendSettings, InferenceHost, ModelSource
-from geserve.backends.python import loader, runtime
+from geserve.backends.python import loader, metrics, runtime
 from geserve.backends.python.instance import PythonInstance
 from geserve.backends.python.model_config import ModelConfig as AutoCompleteConfig
 from geserve.config import ModelConfig, message_to_json_dict
 from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.metrics.custom import CustomMetricStore
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,26 @@ class PythonBackend:
     name = "python"
     default_model_filename = DEFAULT_MODEL_FILENAME
 
-    def __init__(self, settings: BackendSettings, host: InferenceHost) -> None:
+    def __init__(
+        self, settings: BackendSettings, host: InferenceHost, custom_metrics: CustomMetricStore | None = None
+    ) -> None:
         self._settings = settings
         self._host = host
+        self._custom_metrics = custom_metrics if custom_metrics is not None else CustomMetricStore()
         runtime.set_default_host(host)
+        metrics.set_default_store(self._custom_metrics)
 
     def auto_complete_config(self, config: ModelConfig, source: ModelSource) -> None:
         """Call the model's static `auto_complete_config(ModelConfig)`, if it has one, on the config's JSON form."""
+        # Metric families the file makes here (at import, in the hook) belong to this throwaway import only.
+        scope = metrics.MetricScope(self._custom_metrics, config.name)
+        try:
+            with metrics.bound(scope):
+                self._auto_complete(config, source)
+        finally:
+            scope.close()
+
+    def _auto_complete(self, config: ModelConfig, source: ModelSource) -> None:
         module = loader.import_model_file(model_file(config, source), config.name)
         try:
             hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
@@ -75,9 +89,14 @@ class PythonBackend:
                     for _ in range(group.count):
                         name = f"{group.name}_{index}"
                         index += 1
-                        instance = PythonInstance(
-                            name, loader.import_model_file(path, config.name), self._host, outputs, decoupled
-                        )
+                        scope = metrics.MetricScope(self._custom_metrics, name)
+                        try:
+                            with metrics.bound(scope):  # families made at import belong to the instance
+                                module = loader.import_model_file(path, config.name)
+                        except GeserveError:
+                            scope.close()
+                            raise
+                        instance = PythonInstance(name, module, self._host, outputs, decoupled, scope)
                         instance.initialize({
                             "model_config": config_json,
                             "model_instance_kind": _KIND_NAMES.get(group.kind, "CPU"),

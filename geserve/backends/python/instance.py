@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from geserve.backends.base import InferenceHost
-from geserve.backends.python import loader, runtime
+from geserve.backends.python import loader, metrics, runtime
 from geserve.backends.python.messages import (
     InferenceRequest,
     InferenceResponse,
@@ -38,13 +38,14 @@ Result = CoreResponse | GeserveError
 class _LoopThread:
     """An event loop running forever on a thread of its own, for a model's coroutines."""
 
-    def __init__(self, name: str, host: InferenceHost) -> None:
+    def __init__(self, name: str, host: InferenceHost, scope: metrics.MetricScope) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(host,), name=f"py-{name}-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(host, scope), name=f"py-{name}-loop", daemon=True)
         self._thread.start()
 
-    def _run(self, host: InferenceHost) -> None:
+    def _run(self, host: InferenceHost, scope: metrics.MetricScope) -> None:
         runtime.bind_thread(host)
+        metrics.bind_thread(scope)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -68,10 +69,12 @@ class PythonInstance:
         host: InferenceHost,
         output_names: list[str],
         decoupled: bool,
+        scope: metrics.MetricScope,
     ) -> None:
         self.name = name
         self._module = module
         self._host = host
+        self._metrics = scope  # the custom metric families this instance creates
         self._output_names = output_names
         self._decoupled = decoupled
         self._loop_thread: _LoopThread | None = None
@@ -83,7 +86,7 @@ class PythonInstance:
 
     def initialize(self, args: dict[str, str]) -> None:
         """Create the model object and run its `initialize(args)`; raise UnavailableError naming the fault."""
-        runtime.bind_thread(self._host)
+        self._bind()
         try:
             self.model = self._module.TritonPythonModel()
             if hasattr(self.model, "initialize"):
@@ -92,6 +95,7 @@ class PythonInstance:
                 raise AttributeError("TritonPythonModel has no execute() method")
         except BaseException as exc:
             self._stop_loop()
+            self._metrics.close()
             raise InternalError(
                 f"failed to initialize Python model instance '{self.name}': {loader.describe(exc)}"
             ) from None
@@ -106,7 +110,7 @@ class PythonInstance:
         check = getattr(self.model, "is_ready", None)
         if not callable(check):
             return self.model is not None
-        runtime.bind_thread(self._host)
+        self._bind()
         try:
             return bool(self._await(check()))
         except Exception:
@@ -114,6 +118,7 @@ class PythonInstance:
             return False
 
     def finalize(self) -> None:
+        self._bind()
         try:
             if self.model is not None and hasattr(self.model, "finalize"):
                 self._await(self.model.finalize())
@@ -122,6 +127,7 @@ class PythonInstance:
         finally:
             self.model = None
             self._stop_loop()
+            self._metrics.close()  # as the instance goes, its families leave /metrics
             loader.forget(self._module)
             for stream in list(self._streams):
                 stream.fail(UnavailableError(
@@ -131,7 +137,7 @@ class PythonInstance:
     # ---- execution ----------------------------------------------------------------------------------
 
     def execute(self, requests: list[CoreRequest]) -> list[Result]:
-        runtime.bind_thread(self._host)
+        self._bind()
         if self._decoupled:
             return self._execute_decoupled(requests)
         sent: list[list[tuple[InferenceResponse | None, bool]]] = [[] for _ in requests]
@@ -182,6 +188,11 @@ class PythonInstance:
                 stream.fail(error)  # the requests the model had not finished
         return [CoreResponse(r.model_name, r.model_version, [], r.id) for r in requests]
 
+    def _bind(self) -> None:
+        """The calling thread runs this instance's code: BLS calls go to its server, metrics to its scope."""
+        runtime.bind_thread(self._host)
+        metrics.bind_thread(self._metrics)
+
     def _failed(self, message: str) -> InternalError:
         """A batch that failed as a whole, in Triton's words."""
         return InternalError(f"Failed to process the request(s) for model '{self.name}', message: {message}")
@@ -191,7 +202,7 @@ class PythonInstance:
         if not inspect.isawaitable(value):
             return value
         if self._loop_thread is None:
-            self._loop_thread = _LoopThread(self.name, self._host)
+            self._loop_thread = _LoopThread(self.name, self._host, self._metrics)
         return self._loop_thread.run(value)  # type: ignore[arg-type]
 
     def _stop_loop(self) -> None:

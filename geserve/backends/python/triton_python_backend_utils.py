@@ -28,6 +28,7 @@ from geserve.backends.python.messages import (
     TritonError,
     TritonModelException,
 )
+from geserve.backends.python.metrics import MetricFamily
 from geserve.backends.python.model_config import ModelConfig
 from geserve.backends.python.tensor import (
     TRITON_STRING_TO_NUMPY,
@@ -52,6 +53,7 @@ __all__ = [
     "InferenceResponseSender",
     "LogLevel",
     "Logger",
+    "MetricFamily",
     "ModelConfig",
     "PreferredMemory",
     "Tensor",
