@@ -7,20 +7,18 @@ The same behaviour on the real Triton is checked in test_python_backend_conforma
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from tests.support.ensembles import Ensemble, Step, repeat_inc
 from tests.support.python_repo import PYTHON_MODELS
 from tests.support.server import RunningServer, geserve
+from tests.support.streams import stream_request, summarized
 
 I32 = "TYPE_INT32"
 # Python steps written here: `count_slow` takes 0.3 s to count its input, `plus` adds two scalars.
@@ -90,33 +88,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def stream(server: RunningServer, model: str, values: list[int], outputs: list[str] | None = None) -> list:
-    """One request's messages on a gRPC stream: (outputs, final) each, or ("error", message); read until the final
-    flag, or until 0.5 s pass with nothing more after an error (an error ends a request's stream, sent unflagged)."""
-    received: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: received.put((result, error)))
-    try:
-        tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
-        tensor.set_data_from_numpy(np.array(values, np.int32))
-        wanted = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
-        client.async_stream_infer(model, [tensor], outputs=wanted, enable_empty_final_response=True)
-        messages: list = []
-        while True:
-            try:
-                result, error = received.get(timeout=0.5 if messages and messages[-1][0] == "error" else 20)
-            except queue.Empty:
-                return messages
-            if error is not None:
-                messages.append(("error", error.message()))
-                continue
-            response = result.get_response()
-            final = response.parameters["triton_final_response"].bool_param
-            messages.append(({o.name: result.as_numpy(o.name).tolist() for o in response.outputs}, final))
-            if final:
-                return messages
-    finally:
-        client.stop_stream()
-        client.close()
+    """One request's messages on a gRPC stream: (outputs, final) each, or ("error", message)."""
+    return summarized(stream_request(server.grpc_url, model, values, outputs=outputs)[0])
 
 
 def _get(server: RunningServer, path: str) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import queue
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 from geserve import InferenceRequest, InputTensor, Server, ServerSettings
 from tests.support.python_repo import SHARED, geserve_repository
 from tests.support.server import RunningServer, geserve
+from tests.support.streams import stream_request, summarized
 
 BROKEN = {
     "broken_syntax": "class TritonPythonModel:\n    def execute(self, requests)\n        return []\n",
@@ -184,30 +184,9 @@ def test_dynamic_batching_hands_execute_the_requests_unmerged(server: RunningSer
         assert result.as_numpy("REQUESTS").tolist() == [[4]]  # execute() was handed all four requests at once
 
 
-def stream_messages(server: RunningServer, values: list[int], timeout: float = 10) -> list:
-    received: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: received.put((result, error)))
-    try:
-        tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
-        tensor.set_data_from_numpy(np.array(values, np.int32))
-        client.async_stream_infer("repeat", [tensor], request_id="x", enable_empty_final_response=True)
-        messages = []
-        while True:
-            result, error = received.get(timeout=timeout)
-            if error is not None:
-                messages.append(("error", error.message()))
-                if not values or values[-1] != -1:
-                    return messages
-                continue
-            response = result.get_response()
-            final = response.parameters["triton_final_response"].bool_param
-            messages.append(({o.name: result.as_numpy(o.name).tolist() for o in response.outputs}, final))
-            if final:
-                return messages
-    finally:
-        client.stop_stream()
-        client.close()
+def stream_messages(server: RunningServer, values: list[int]) -> list:
+    """One request to `repeat`: (outputs, final) each, or ("error", message)."""
+    return summarized(stream_request(server.grpc_url, "repeat", values, request_id="x", timeout=10)[0])
 
 
 def test_a_stream_ends_with_an_error_when_the_model_drops_its_request(server: RunningServer) -> None:

@@ -29,6 +29,7 @@ from tests.support.ensembles import repeat_inc
 from tests.support.python_repo import geserve_repository, triton_repository
 from tests.support.reference import BootingTriton, reference_available, reference_unavailable_reason
 from tests.support.server import geserve
+from tests.support.streams import outputs_of, stream_request
 
 pytestmark = pytest.mark.reference
 NEWER_CONFIG_FIELDS = {"runtime", "is_non_linear_format_io"}  # in Triton 2.51's model_config.proto, not in geserve's
@@ -243,31 +244,15 @@ def ensemble_stream(target: Target, values: list[int]) -> tuple[list, bool]:
     ended with the final flag. A final flag sent alone (an empty final response) and one sent with the last
     response read the same: when it comes is a race in both servers. An error ends the stream (nothing within
     0.5 s after it)."""
-    received: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(target.grpc)
-    client.start_stream(callback=lambda result, error: received.put((result, error)))
-    try:
-        tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
-        tensor.set_data_from_numpy(np.array(values, np.int32))
-        client.async_stream_infer("repeat_inc", [tensor], request_id="e1", enable_empty_final_response=True)
-        messages: list = []
-        while True:
-            try:
-                result, error = received.get(timeout=0.5 if messages and messages[-1][0] == "error" else 20)
-            except queue.Empty:
-                return messages, False
-            if error is not None:
-                messages.append(("error", target.clean(error.message())))
-                continue
+    messages, final = stream_request(target.grpc, "repeat_inc", values, request_id="e1")
+    read = []
+    for result, error in messages:
+        if result is None:
+            read.append(("error", target.clean(error)))
+        elif outputs := outputs_of(result):
             response = result.get_response()
-            outputs = {o.name: result.as_numpy(o.name).tolist() for o in sorted(response.outputs, key=lambda o: o.name)}
-            if outputs:
-                messages.append((response.id, response.model_name, outputs))
-            if response.parameters["triton_final_response"].bool_param:
-                return messages, True
-    finally:
-        client.stop_stream()
-        client.close()
+            read.append((response.id, response.model_name, outputs))
+    return read, final
 
 
 @pytest.mark.parametrize("values", [[1, 2, 3], [5, 99, 6], [], [7, -3], [-2]])
