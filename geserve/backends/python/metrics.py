@@ -12,12 +12,13 @@ import enum
 import json
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from geserve.backends.python.messages import TritonModelException
 from geserve.metrics.custom import COUNTER, GAUGE, HISTOGRAM, CustomFamily, CustomMetricError, CustomMetricStore, Series
 
+_T = TypeVar("_T")
 _DELETED = (
     "Invalid metric operation as the corresponding 'MetricFamily' has been deleted. The 'MetricFamily' object "
     "should be deleted AFTER its corresponding 'Metric' objects have been deleted."
@@ -123,42 +124,28 @@ class Metric:
 
     def increment(self, value: float) -> None:
         amount = _double(value, "increment")
-        series = self._series
-        if series is None:
-            raise TritonModelException(f"Failed to increment metric value: {_DELETED}")
-        try:
-            series.increment(amount)
-        except CustomMetricError as exc:
-            raise TritonModelException(f"Failed to increment metric value: {self._scope.refusal(exc)}") from None
+        self._apply("increment", lambda series: series.increment(amount))
 
     def set(self, value: float) -> None:
         number = _double(value, "set")
-        series = self._series
-        if series is None:
-            raise TritonModelException(f"Failed to set metric value: {_DELETED}")
-        try:
-            series.set(number)
-        except CustomMetricError as exc:
-            raise TritonModelException(f"Failed to set metric value: {self._scope.refusal(exc)}") from None
+        self._apply("set", lambda series: series.set(number))
 
     def observe(self, value: float) -> None:
         number = _double(value, "observe")
-        series = self._series
-        if series is None:
-            raise TritonModelException(f"Failed to observe metric value: {_DELETED}")
-        try:
-            series.observe(number)
-        except CustomMetricError as exc:
-            raise TritonModelException(f"Failed to observe metric value: {self._scope.refusal(exc)}") from None
+        self._apply("observe", lambda series: series.observe(number))
 
     def value(self) -> float:
+        return self._apply("get", lambda series: series.value())
+
+    def _apply(self, verb: str, operation: Callable[[Series], _T]) -> _T:
+        """`operation` on the series, its refusals (or a deleted family) raised in Triton's words for `verb`."""
         series = self._series
         if series is None:
-            raise TritonModelException(f"Failed to get metric value: {_DELETED}")
+            raise TritonModelException(f"Failed to {verb} metric value: {_DELETED}")
         try:
-            return series.value()
+            return operation(series)
         except CustomMetricError as exc:
-            raise TritonModelException(f"Failed to get metric value: {self._scope.refusal(exc)}") from None
+            raise TritonModelException(f"Failed to {verb} metric value: {self._scope.refusal(exc)}") from None
 
 
 _Metric = Metric  # for annotations inside MetricFamily, whose method of that name hides the class
