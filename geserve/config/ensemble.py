@@ -161,6 +161,13 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
     tensors: dict[str, _TensorNode] = {}
     for tensor in (*config.input, *config.output):
         tensors[tensor.name] = _TensorNode(name, tensor.data_type, _io_dims(tensor), batching)
+
+    def meet(tensor: str, node: _TensorNode) -> None:
+        """The first model to name `tensor` sets what it is; every later one must agree."""
+        known = tensors.setdefault(tensor, node)
+        if known is not node:
+            _check_consistent(name, tensor, known, node)
+
     for step in config.ensemble_scheduling.step:
         model = step_configs[step.model_name]
         if model.max_batch_size != 0 and model.max_batch_size < config.max_batch_size:
@@ -185,10 +192,7 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
                     f"in ensemble {name}, input {model_input.name} in model {step.model_name} is not mapped to any "
                     f"ensemble tensors"
                 )
-            node = _TensorNode(step.model_name, model_input.data_type, tuple(model_input.dims), step_batching)
-            known = tensors.setdefault(tensor, node)
-            if known is not node:
-                _check_consistent(name, tensor, known, node)
+            meet(tensor, _TensorNode(step.model_name, model_input.data_type, tuple(model_input.dims), step_batching))
         model_outputs = {t.name: t for t in model.output}
         for model_output, tensor in sorted(step.output_map.items()):
             output = model_outputs.get(model_output)
@@ -197,7 +201,4 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
                     f"in ensemble {name}, ensemble tensor {tensor} is mapped from non-existing output "
                     f"{model_output} in model {step.model_name}"
                 )
-            node = _TensorNode(step.model_name, output.data_type, tuple(output.dims), step_batching)
-            known = tensors.setdefault(tensor, node)
-            if known is not node:
-                _check_consistent(name, tensor, known, node)
+            meet(tensor, _TensorNode(step.model_name, output.data_type, tuple(output.dims), step_batching))
