@@ -94,12 +94,8 @@ class EnsembleScheduler:
     async def _run(self, request: InferenceRequest) -> InferenceResponse:
         plan = self._plan
         enqueued = time.monotonic_ns()
-        wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
+        wanted, values = self._start(request)
         route = plan.route(frozenset(wanted))
-        batch = request.batch_size if plan.batching else 0
-        values: dict[str, _Value] = {t.name: (t, batch) for t in request.inputs}
-        for name in plan.optional_inputs:
-            values.setdefault(name, (None, batch))
         waiting = {i: sum(1 for t in plan.steps[i].reads if t not in values) for i in route.steps}
         sink = [0, 0, 0]
         started = time.monotonic_ns()
@@ -107,6 +103,16 @@ class EnsembleScheduler:
         response = self._response(request, wanted, [values.get(name, (None, 0)) for name in wanted])
         self._record(request, enqueued, started, sink)
         return response
+
+    def _start(self, request: InferenceRequest) -> tuple[tuple[str, ...], dict[str, _Value]]:
+        """The outputs `request` wants, in order, and its inputs as ensemble tensors (optional ones left out: None)."""
+        plan = self._plan
+        wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
+        batch = request.batch_size if plan.batching else 0
+        values: dict[str, _Value] = {t.name: (t, batch) for t in request.inputs}
+        for name in plan.optional_inputs:
+            values.setdefault(name, (None, batch))
+        return wanted, values
 
     def _response(self, request: InferenceRequest, wanted: tuple[str, ...], values: list[_Value]) -> InferenceResponse:
         plan = self._plan
@@ -135,11 +141,10 @@ class EnsembleScheduler:
         once everything has finished."""
         plan = self._plan
         enqueued = time.monotonic_ns()
-        wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
+        wanted, given = self._start(request)
         route = plan.route(frozenset(wanted))
         stream = request.responses
         loop = asyncio.get_running_loop()
-        batch = request.batch_size if plan.batching else 0
         sink = [0, 0, 0]
         tasks: set[asyncio.Task[None]] = set()
         live = [0]  # tasks still running; unlike `tasks`, counted down the moment one ends
@@ -203,9 +208,6 @@ class EnsembleScheduler:
             response = self._response(request, wanted, [await scope.get(name) for name in wanted])
             stream.send(StreamResponse(response, final=live[0] == 1))
 
-        given = {t.name: (t, batch) for t in request.inputs}
-        for name in plan.optional_inputs:
-            given.setdefault(name, (None, batch))
         started = time.monotonic_ns()
         open_scope(None, None, given)
         try:
