@@ -1,7 +1,7 @@
 """geserve: a Triton-compatible inference server whose GE backend runs compiled graphs on any accelerator."""
 
-from geserve.core.server import Server
 from geserve.errors import ErrorCode, GeserveError
+from geserve.server import Server
 from geserve.settings import ServerSettings
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
 from geserve.version import __version__

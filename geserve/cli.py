@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if settings.log_verbose else (logging.WARNING if quiet else logging.INFO),
         format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
     )
-    from geserve.core.server import Server, StartupError
+    from geserve.server import Server, StartupError
 
     _install_event_loop_policy()
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from geserve.config import parse_config_text
-from geserve.core.statistics import ModelStatistics
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.dynamic_batcher import BatcherSettings, DynamicBatcher
 from geserve.scheduling.pool import InstancePool
 from geserve.scheduling.queue import QueuePolicy
+from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, OutputTensor
 
 

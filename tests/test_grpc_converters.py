@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from geserve.core.runtime_settings import LogSettings, TraceSettings
-from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import (
     AlreadyExistsError,
     InternalError,
@@ -19,6 +17,8 @@ from geserve.errors import (
     UnsupportedError,
 )
 from geserve.frontends.grpc import converters as convert
+from geserve.service.runtime_settings import LogSettings, TraceSettings
+from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.types import InferenceResponse, OutputTensor
 
 

@@ -17,13 +17,13 @@ from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from geserve.core.statistics import FAILURE_REASONS, ModelStatistics, failure_reason
 from geserve.errors import CancelledError, InternalError, InvalidArgumentError, UnavailableError
 from geserve.metrics import MetricsConfig, render
 from geserve.metrics.collector import batch_bounds
 from geserve.metrics.config import DEFAULT_QUANTILES
 from geserve.metrics.latency import BucketHistogram, LatencyRecorder, WindowedQuantiles
 from geserve.metrics.system import CpuSampler
+from geserve.statistics import FAILURE_REASONS, ModelStatistics, failure_reason
 from tests.support import models
 from tests.support.reference import free_port
 from tests.support.server import REPO_ROOT, RunningServer, geserve

@@ -12,7 +12,8 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from geserve.frontends.http.native_server import NativeHttpServer
-from geserve.metrics import CONTENT_TYPE, CustomMetricStore, MetricsConfig, build_registry, render
+from geserve.metrics import CONTENT_TYPE, CustomMetricStore, MetricsConfig, render
+from geserve.metrics.collector import build_registry
 from geserve.metrics.system import CpuSampler
 from geserve.repository.lifecycle import ModelManager
 

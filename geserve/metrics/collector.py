@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
-from geserve.core.statistics import FAILURE_REASONS
 from geserve.metrics.config import MetricsConfig
 from geserve.metrics.custom import CustomMetricStore
 from geserve.metrics.exposition import format_value
 from geserve.metrics.latency import SUMMARY_FAMILIES, LatencyRecorder
 from geserve.metrics.system import CpuSampler
 from geserve.repository.model import LoadedModel, ModelState
+from geserve.statistics import FAILURE_REASONS
 
 if TYPE_CHECKING:  # the lifecycle imports the backends, whose Python backend imports geserve.metrics
     from geserve.repository.lifecycle import ModelManager

@@ -15,7 +15,6 @@ from geserve.backends.base import ModelSource
 from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
 from geserve.config.ensemble import is_ensemble
-from geserve.core.statistics import LatencyObserver, ModelStatistics
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
 from geserve.repository.dependencies import Dependencies
 from geserve.repository.model import LoadedModel, ModelState, VersionStatus, tensor_specs
@@ -24,6 +23,7 @@ from geserve.scheduling.base import create_scheduler
 from geserve.scheduling.ensemble import EnsembleSetup
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
+from geserve.statistics import LatencyObserver, ModelStatistics
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geserve.config import ModelConfig
-from geserve.core.statistics import ModelStatistics
 from geserve.scheduling.base import Scheduler
+from geserve.statistics import ModelStatistics
 from geserve.types.datatypes import BY_CONFIG
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from geserve.backends.base import InferenceHost
-from geserve.core.statistics import ModelStatistics
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError
 from geserve.scheduling.ensemble_plan import EnsemblePlan, Route, StepPlan
 from geserve.scheduling.inflight import InflightTracker
+from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from geserve.types.streams import StreamResponse
 

@@ -17,8 +17,8 @@ import threading
 import time
 
 from geserve.backends.base import ModelInstance
-from geserve.core.statistics import ModelStatistics
 from geserve.errors import GeserveError, InternalError
+from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse
 
 Results = list[InferenceResponse | GeserveError]

@@ -15,8 +15,8 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 
-from geserve.core.shared_memory import RegionStatus, SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.service.shared_memory import RegionStatus, SharedMemoryRegistry
 from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from geserve.types.wire import FramingError, split_bytes, tensor_bytes
 

@@ -13,15 +13,15 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from geserve.core.dataplane import DataPlane
-from geserve.core.runtime_settings import LogSettings, TraceSettings
-from geserve.core.shared_memory import SharedMemoryRegistry
-from geserve.core.validation import prepare
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
 from geserve.repository.model import LoadedModel
+from geserve.service.dataplane import DataPlane
+from geserve.service.runtime_settings import LogSettings, TraceSettings
+from geserve.service.shared_memory import SharedMemoryRegistry
+from geserve.service.validation import prepare
 from geserve.types import InferenceResponse
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,6 @@ from typing import Any
 
 import orjson
 
-from geserve.core.dataplane import DataPlane
-from geserve.core.runtime_settings import LogSettings, TraceSettings
-from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
 from geserve.frontends.http.codec import (
     OutputPlacementError,
@@ -22,6 +19,9 @@ from geserve.frontends.http.codec import (
     parse_json,
 )
 from geserve.frontends.http.status import HTTP_STATUS
+from geserve.service.dataplane import DataPlane
+from geserve.service.runtime_settings import LogSettings, TraceSettings
+from geserve.service.shared_memory import SharedMemoryRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import InternalError, InvalidArgumentError, NotFoundError
 from geserve.repository.model import LoadedModel
+from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
 from geserve.types.wire import FramingError, split_bytes, tensor_bytes
 

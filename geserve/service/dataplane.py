@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from geserve.config import message_to_json_dict
-from geserve.core.classification import classify
-from geserve.core.validation import prepare
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError, UnsupportedError
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
+from geserve.service.classification import classify
+from geserve.service.validation import prepare
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.version import __version__

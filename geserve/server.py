@@ -9,9 +9,6 @@ from collections.abc import Callable
 
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
-from geserve.core.dataplane import DataPlane
-from geserve.core.runtime_settings import LogSettings, TraceSettings
-from geserve.core.shared_memory import SharedMemoryRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
@@ -22,6 +19,9 @@ from geserve.metrics.collector import SERVER_FAMILY_NAMES
 from geserve.metrics.latency import LatencyRecorder
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.store import ModelStore
+from geserve.service.dataplane import DataPlane
+from geserve.service.runtime_settings import LogSettings, TraceSettings
+from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

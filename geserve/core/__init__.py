@@ -1,1 +1,0 @@
-"""The protocol-neutral core: data plane, validation, classification, statistics, shared memory, server."""

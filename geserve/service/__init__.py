@@ -1,0 +1,1 @@
+"""The one front door: every call of every protocol, with its call context, grouped by Triton's API groups."""
