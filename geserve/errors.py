@@ -20,9 +20,12 @@ class GeserveError(Exception):
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, failure_reason: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        # The `reason` label this failure is counted under (Triton's REJECTED, CANCELED, BACKEND, OTHER) when
+        # it is not the one its code implies: an ensemble counts its steps' failures as OTHER, as Triton does.
+        self.failure_reason = failure_reason
 
 
 class InvalidArgumentError(GeserveError):

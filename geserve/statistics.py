@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from geserve.errors import ErrorCode
+from geserve.errors import ErrorCode, GeserveError
 
 # Triton's `reason` label of nv_inference_request_failure.
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
@@ -20,12 +19,12 @@ _REASON_BY_CODE = {
 
 
 def failure_reason(error: BaseException | None) -> str:
-    """The failure reason of `error`: its own `failure_reason` attribute when it carries one, else by code."""
-    explicit = getattr(error, "failure_reason", None)
-    if isinstance(explicit, str) and explicit in FAILURE_REASONS:
-        return explicit
-    code = getattr(error, "code", None)
-    return _REASON_BY_CODE.get(code, "OTHER") if isinstance(code, ErrorCode) else "OTHER"
+    """The failure reason of `error`: the one it names when it names one, else the one its code implies."""
+    if not isinstance(error, GeserveError):
+        return "OTHER"
+    if error.failure_reason in FAILURE_REASONS:
+        return error.failure_reason
+    return _REASON_BY_CODE.get(error.code, "OTHER")
 
 
 class LatencyObserver(Protocol):
@@ -80,10 +79,16 @@ class ModelStatistics:
         self.fail_by_reason: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
         self.latency_observer = latency_observer
 
-    def record_request(self, ok: bool, duration_ns: int, reason: str | None = None) -> None:
-        """One request done. A failure's `reason` (FAILURE_REASONS) defaults to the reason of the exception
-        being handled, so a caller inside its `except` block need not pass it."""
-        why = "" if ok else reason or failure_reason(sys.exc_info()[1])
+    def record_success(self, duration_ns: int) -> None:
+        self.record_request(True, duration_ns)
+
+    def record_failure(self, duration_ns: int, error: BaseException | None) -> None:
+        """One failed request, counted under the reason `error` implies (see failure_reason)."""
+        self.record_request(False, duration_ns, failure_reason(error))
+
+    def record_request(self, ok: bool, duration_ns: int, reason: str = "OTHER") -> None:
+        """One request done; a failure is counted under `reason` (one of FAILURE_REASONS)."""
+        why = "" if ok else reason
         with self._lock:
             (self.success if ok else self.fail).add(duration_ns)
             if ok:

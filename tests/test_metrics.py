@@ -53,8 +53,7 @@ def test_failure_reasons_follow_the_error() -> None:
     assert failure_reason(InternalError("onnxruntime failed")) == "BACKEND"
     assert failure_reason(InvalidArgumentError("bad")) == "OTHER"
     assert failure_reason(None) == "OTHER"
-    tagged = InvalidArgumentError("the backend refused it")
-    tagged.failure_reason = "BACKEND"  # type: ignore[attr-defined]
+    tagged = InvalidArgumentError("the backend refused it", failure_reason="BACKEND")
     assert failure_reason(tagged) == "BACKEND"
 
 
@@ -62,10 +61,7 @@ def test_statistics_count_failures_by_reason_and_feed_an_observer() -> None:
     stats = ModelStatistics()
     assert stats.latency_observer is None  # off unless latency summaries / histograms are configured
     stats.record_request(False, 10, reason="REJECTED")
-    try:
-        raise InternalError("execution failed")
-    except InternalError:
-        stats.record_request(False, 10)  # the reason comes from the exception being handled
+    stats.record_failure(10, InternalError("execution failed"))  # the reason comes from the error
     stats.record_request(True, 10)
     assert stats.failures_by_reason() == {"REJECTED": 1, "CANCELED": 0, "BACKEND": 1, "OTHER": 0}
     assert stats.as_json("m", "1")["inference_stats"]["fail"]["count"] == 2

@@ -21,7 +21,7 @@ from geserve.errors import GeserveError, InternalError, InvalidArgumentError
 from geserve.scheduling.ensemble_plan import EnsemblePlan, Route, StepPlan
 from geserve.scheduling.inflight import InflightTracker
 from geserve.statistics import ModelStatistics
-from geserve.types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from geserve.types.streams import StreamResponse
 
 # An ensemble tensor's value and the batch size of the request that made it (0: made without batching).
@@ -57,12 +57,10 @@ def _adapt(tensor: InputTensor, name: str, dims: tuple[int, ...], batching: bool
 
 def _in_ensemble(name: str, error: BaseException) -> GeserveError:
     """A step's error as the ensemble's, in Triton's wording; its status code stays the step's."""
+    # Triton counts an ensemble's failures under OTHER, whatever failed in its steps.
     if isinstance(error, GeserveError):
-        wrapped = type(error)(f"in ensemble '{name}', {error.message}")
-    else:
-        wrapped = InternalError(f"in ensemble '{name}', {type(error).__name__}: {error}")
-    wrapped.failure_reason = "OTHER"  # Triton counts an ensemble's failures under OTHER
-    return wrapped
+        return type(error)(f"in ensemble '{name}', {error.message}", failure_reason="OTHER")
+    return InternalError(f"in ensemble '{name}', {type(error).__name__}: {error}", failure_reason="OTHER")
 
 
 class EnsembleScheduler:
@@ -77,7 +75,7 @@ class EnsembleScheduler:
         return self._inflight.count
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse | None:
-        """The response; for a decoupled ensemble, None once every response went to `request.responses`."""
+        """The response; for a decoupled ensemble, None once every response went to `request.stream`."""
         self._inflight.enter(request.model_name)
         try:
             if self._plan.decoupled:
@@ -97,7 +95,7 @@ class EnsembleScheduler:
         wanted, values = self._start(request)
         route = plan.route(frozenset(wanted))
         waiting = {i: sum(1 for t in plan.steps[i].reads if t not in values) for i in route.steps}
-        sink = [0, 0, 0]
+        sink = ComputeTimes()
         started = time.monotonic_ns()
         await self._execute(request, route, values, waiting, sink)
         response = self._response(request, wanted, [values.get(name, (None, 0)) for name in wanted])
@@ -126,15 +124,16 @@ class EnsembleScheduler:
             outputs.append(_adapt(tensor, name, plan.output_dims[name], plan.batching, made_with))
         return InferenceResponse(request.model_name, request.model_version, outputs, id=request.id)
 
-    def _record(self, request: InferenceRequest, enqueued: int, started: int, sink: list[int]) -> None:
-        self._statistics.record_execution(1, request.batch_size, [started - enqueued], *sink)
-        if request.compute_sink is not None:  # an ensemble inside an ensemble: the outer one reports this compute
-            for k in range(3):
-                request.compute_sink[k] += sink[k]
+    def _record(self, request: InferenceRequest, enqueued: int, started: int, sink: ComputeTimes) -> None:
+        self._statistics.record_execution(
+            1, request.batch_size, [started - enqueued], sink.input_ns, sink.infer_ns, sink.output_ns
+        )
+        if request.compute is not None:  # an ensemble inside an ensemble: the outer one reports this compute
+            request.compute.add_times(sink)
 
     async def _stream(self, request: InferenceRequest) -> None:
         """Run a decoupled ensemble: each response of a decoupled step opens a scope in which the steps after it
-        run once more; each completed run of the route's emitting scope is one response on `request.responses`.
+        run once more; each completed run of the route's emitting scope is one response on `request.stream`.
 
         The first step failure cancels the request's other tasks and fails the request. A response goes out
         flagged final when nothing else of the request is still running; otherwise the final flag follows alone
@@ -143,9 +142,9 @@ class EnsembleScheduler:
         enqueued = time.monotonic_ns()
         wanted, given = self._start(request)
         route = plan.route(frozenset(wanted))
-        stream = request.responses
+        stream = request.stream
         loop = asyncio.get_running_loop()
-        sink = [0, 0, 0]
+        sink = ComputeTimes()
         tasks: set[asyncio.Task[None]] = set()
         live = [0]  # tasks still running; unlike `tasks`, counted down the moment one ends
         failures: list[BaseException] = []
@@ -230,7 +229,7 @@ class EnsembleScheduler:
         route: Route,
         values: dict[str, _Value],
         waiting: dict[int, int],
-        sink: list[int],
+        sink: ComputeTimes,
     ) -> None:
         """Start each step once its inputs exist; raise the first step error once no step is in flight.
 
@@ -291,13 +290,13 @@ class EnsembleScheduler:
             raise _in_ensemble(plan.name, error)
 
     async def _run_step(
-        self, step: StepPlan, route: Route, request: InferenceRequest, values: dict[str, _Value], sink: list[int]
+        self, step: StepPlan, route: Route, request: InferenceRequest, values: dict[str, _Value], sink: ComputeTimes
     ) -> dict[str, _Value]:
         step_request = self._step_request(step, route, request, [values[item.tensor] for item in step.inputs], sink)
         return self._produced(step, route, step_request, await self._host.infer(step_request))
 
     def _step_request(
-        self, step: StepPlan, route: Route, request: InferenceRequest, values: list[_Value], sink: list[int]
+        self, step: StepPlan, route: Route, request: InferenceRequest, values: list[_Value], sink: ComputeTimes
     ) -> InferenceRequest:
         """`values` are those of `step.inputs`, in order."""
         inputs = []
@@ -313,7 +312,7 @@ class EnsembleScheduler:
             parameters=request.parameters,
             priority=request.priority,
             timeout_us=request.timeout_us,
-            compute_sink=sink,
+            compute=sink,
         )
 
     @staticmethod

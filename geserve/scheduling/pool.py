@@ -118,11 +118,8 @@ class InstancePool:
             count, rows, [started - t for t in enqueued_ns], input_ns, infer_ns, output_ns
         )
         for request in requests:
-            sink = request.compute_sink
-            if sink is not None:
-                sink[0] += input_ns
-                sink[1] += infer_ns
-                sink[2] += output_ns
+            if request.compute is not None:
+                request.compute.add(input_ns, infer_ns, output_ns)
         return responses
 
     async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:

@@ -99,10 +99,10 @@ class DataPlane:
             response = await model.scheduler.enqueue(request)
             if request.outputs is not None:
                 _apply_classification(model, request, response)
-        except GeserveError:
-            model.statistics.record_request(False, time.monotonic_ns() - started)
+        except GeserveError as exc:
+            model.statistics.record_failure(time.monotonic_ns() - started, exc)
             raise
-        model.statistics.record_request(True, time.monotonic_ns() - started)
+        model.statistics.record_success(time.monotonic_ns() - started)
         response.model_version = str(model.version)
         return response
 
@@ -115,7 +115,7 @@ class DataPlane:
         started = time.monotonic_ns()
         prepare(model, request)
         stream = ResponseStream(asyncio.get_running_loop())
-        request.responses = stream
+        request.stream = stream
         execution = asyncio.ensure_future(model.scheduler.enqueue(request))
         execution.add_done_callback(lambda done: _fail_unfinished(stream, done))
         version = str(model.version)

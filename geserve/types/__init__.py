@@ -2,6 +2,7 @@
 
 from geserve.types.datatypes import BY_CONFIG, BY_WIRE, DataType, from_numpy
 from geserve.types.tensors import (
+    ComputeTimes,
     InferenceRequest,
     InferenceResponse,
     InputTensor,
@@ -13,6 +14,7 @@ from geserve.types.tensors import (
 __all__ = [
     "BY_CONFIG",
     "BY_WIRE",
+    "ComputeTimes",
     "DataType",
     "InferenceRequest",
     "InferenceResponse",

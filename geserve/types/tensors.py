@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from geserve.types.streams import ResponseStream
 
 
 @dataclass(slots=True)
@@ -35,6 +38,23 @@ class RequestedOutput:
 
 
 @dataclass(slots=True)
+class ComputeTimes:
+    """Compute time of executions, in Triton's three phases (ns)."""
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    def add(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.input_ns += input_ns
+        self.infer_ns += infer_ns
+        self.output_ns += output_ns
+
+    def add_times(self, other: ComputeTimes) -> None:
+        self.add(other.input_ns, other.infer_ns, other.output_ns)
+
+
+@dataclass(slots=True)
 class InferenceRequest:
     model_name: str
     model_version: str  # "" picks the model's latest ready version
@@ -46,12 +66,11 @@ class InferenceRequest:
     timeout_us: int = 0
     # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
-    # Set on an ensemble's step requests: the compute (input, infer, output ns) of each batch this request runs
-    # in is added here, so the ensemble reports the compute of its steps, as Triton's does.
-    compute_sink: list[int] | None = None
-    # Set by the data plane for a decoupled model: its ResponseStream (geserve.types.streams), where the backend
-    # sends each response as the model produces it.
-    responses: Any = None
+    # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the
+    # ensemble reports the compute of its steps, as Triton's does.
+    compute: ComputeTimes | None = None
+    # Set by the service for a decoupled model: where the backend sends each response as the model produces it.
+    stream: ResponseStream | None = None
 
 
 @dataclass(slots=True)

@@ -164,11 +164,11 @@ class PythonInstance:
     def _execute_decoupled(self, requests: list[CoreRequest]) -> list[Result]:
         streams: list[ResponseStream] = []
         for request in requests:
-            if not isinstance(request.responses, ResponseStream):
+            if request.stream is None:
                 error = InternalError(f"model '{request.model_name}' is decoupled: its requests need a response stream")
                 return [error] * len(requests)
-            streams.append(request.responses)
-            self._streams.add(request.responses)
+            streams.append(request.stream)
+            self._streams.add(request.stream)
         wrapped = [
             InferenceRequest._incoming(request, self._output_names, self._stream_sender(request, stream), True)
             for request, stream in zip(requests, streams, strict=True)
