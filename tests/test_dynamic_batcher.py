@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
+from geserve.backends.base import Execution, ModelInstance, Results
 from geserve.config import parse_config_text
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
@@ -20,7 +21,7 @@ from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, OutputTensor
 
 
-class RecordingInstance:
+class RecordingInstance(ModelInstance):
     """Doubles its input; records each batch's request ids and rows; can be held or made to fail."""
 
     def __init__(self, name: str = "fake_0", delay: float = 0.0) -> None:
@@ -32,7 +33,8 @@ class RecordingInstance:
         self.gate.set()
         self.fail_next = False
 
-    def execute(self, requests: list[InferenceRequest]) -> list:
+    def execute(self, requests: list[InferenceRequest]) -> Execution:
+        started = time.monotonic_ns()
         self.gate.wait(5)
         self.batches.append([r.id for r in requests])
         self.rows.append(sum(r.batch_size for r in requests))
@@ -40,12 +42,12 @@ class RecordingInstance:
             time.sleep(self.delay)
         if self.fail_next:
             self.fail_next = False
-            return [InternalError("instance failed")] * len(requests)
+            return Execution.timed([InternalError("instance failed")] * len(requests), started)
         doubled = [OutputTensor("y", "FP32", r.inputs[0].shape, r.inputs[0].data * 2) for r in requests]
-        return [InferenceResponse(r.model_name, "1", [out], r.id) for r, out in zip(requests, doubled, strict=True)]
-
-    def finalize(self) -> None:
-        pass
+        responses: Results = [
+            InferenceResponse(r.model_name, "1", [out], r.id) for r, out in zip(requests, doubled, strict=True)
+        ]
+        return Execution.timed(responses, started)
 
 
 def request(rid: str, rows: int = 1, width: int = 4, priority: int = 0, timeout_us: int = 0) -> InferenceRequest:

@@ -74,9 +74,9 @@ def test_instances_execute_single_and_batched_requests(tmp_path: Path) -> None:
         req.batch_size = rows
         return req
 
-    (single,) = instances[0].execute([request(1, 0)])
+    (single,) = instances[0].execute([request(1, 0)]).results
     assert single.outputs[0].data.tolist() == (np.arange(16) + 1).reshape(1, 16).tolist()
-    first, second = instances[1].execute([request(2, 0), request(1, 100)])
+    first, second = instances[1].execute([request(2, 0), request(1, 100)]).results
     assert first.outputs[0].shape == (2, 16) and second.outputs[0].shape == (1, 16)
     assert second.outputs[1].data.tolist() == (np.arange(16) + 99).reshape(1, 16).tolist()
 

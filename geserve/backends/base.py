@@ -1,17 +1,23 @@
-"""The Backend / ModelInstance protocols every backend implements, and what a backend is given to load."""
+"""What every backend implements (Backend, and ModelInstance with the Execution it returns) and what a backend is
+given to load."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from geserve.config import ModelConfig
 from geserve.errors import GeserveError
-from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse
 from geserve.types.streams import StreamResponse
+
+# One entry per request of a batch, in order: its response, or the error that request failed with.
+Results = list[InferenceResponse | GeserveError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +59,43 @@ class InferenceHost(Protocol):
         ...
 
 
-class ModelInstance(Protocol):
-    """One execution context of a model version; `execute` is synchronous and runs off the event loop."""
+@dataclass(slots=True)
+class Execution:
+    """What one `execute` produced: a result per request, and the batch's compute time in Triton's three phases."""
+
+    results: Results
+    compute: ComputeTimes
+
+    @classmethod
+    def timed(cls, results: Results, started_ns: int) -> Execution:
+        """For an instance that cannot tell its phases apart: everything since `started_ns` counts as infer time."""
+        return cls(results, ComputeTimes(0, time.monotonic_ns() - started_ns, 0))
+
+
+class ModelInstance(abc.ABC):
+    """One execution context of a model version, as the instance pool drives it: one batch at a time, on the
+    instance's own worker thread, or on the event loop when its runs are short and `inline_allowed` says so."""
 
     name: str
+    # False when `execute` may wait on the event loop (a Python model's BLS calls): it must never run there.
+    inline_allowed: bool = True
 
-    def execute(self, requests: list[InferenceRequest]) -> list[InferenceResponse | GeserveError]: ...
+    @property
+    def checks_readiness(self) -> bool:
+        """Whether `is_ready` asks the model itself (Triton's instance-ready hook); fixed once initialized."""
+        return False
 
-    def finalize(self) -> None: ...
+    def is_ready(self) -> bool:
+        """The model's own readiness, asked on a helper thread, possibly while the instance executes."""
+        return True
+
+    @abc.abstractmethod
+    def execute(self, requests: list[InferenceRequest]) -> Execution:
+        """Run `requests` as one batch (synchronously): a result per request, in order, and the compute time.
+        A failure of one request is its result; an exception fails the whole batch."""
+
+    def finalize(self) -> None:  # noqa: B027 - a default on purpose: an instance may hold nothing to release
+        """Release what the instance holds; called once, after its last execution."""
 
 
 class Backend(Protocol):
@@ -70,6 +105,6 @@ class Backend(Protocol):
     def auto_complete_config(self, config: ModelConfig, source: ModelSource) -> None:
         """Fill what `config` leaves out (inputs, outputs, max_batch_size) from the model file."""
 
-    def create_instances(self, config: ModelConfig, source: ModelSource) -> list[ModelInstance]:
+    def create_instances(self, config: ModelConfig, source: ModelSource) -> Sequence[ModelInstance]:
         """Load the model and build one instance per execution context of its instance groups."""
         ...

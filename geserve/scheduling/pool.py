@@ -15,15 +15,16 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 
-from geserve.backends.base import ModelInstance
-from geserve.errors import GeserveError, InternalError
+from geserve.backends.base import Execution, ModelInstance, Results
+from geserve.errors import InternalError
 from geserve.statistics import ModelStatistics
-from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types import InferenceRequest
 
-Results = list[InferenceResponse | GeserveError]
 READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
-Phases = tuple[int, int, int]  # compute input, infer, output (ns)
+# A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
+_Job = tuple[list[InferenceRequest], "asyncio.Future[Execution]", asyncio.AbstractEventLoop]
 
 
 class _Worker:
@@ -31,10 +32,9 @@ class _Worker:
 
     def __init__(self, instance: ModelInstance, pool: InstancePool) -> None:
         self.instance = instance
-        # An instance that may block on the loop (a Python model calling back into the server) sets it False.
-        self.inline_allowed: bool = getattr(instance, "inline_allowed", True)
+        self.inline_allowed = instance.inline_allowed
         self._pool = pool
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name=f"ge-{instance.name}", daemon=True)
         self.thread.start()
 
@@ -47,26 +47,27 @@ class _Worker:
             del job, requests, future, outcome
 
 
-def _execute(instance: ModelInstance, requests: list[InferenceRequest]) -> tuple[Results, Phases] | BaseException:
+def _execute(instance: ModelInstance, requests: list[InferenceRequest]) -> Execution | BaseException:
     try:
-        start = time.monotonic_ns()
-        responses = instance.execute(requests)
-        phases = getattr(instance, "last_phase_ns", None) or (0, time.monotonic_ns() - start, 0)
-        return responses, phases
+        return instance.execute(requests)
     except BaseException as exc:  # handed to the waiting request, never lost
         return exc
 
 
 class InstancePool:
     def __init__(
-        self, model_name: str, instances: list[ModelInstance], statistics: ModelStatistics, inline_below_us: int = 0
+        self,
+        model_name: str,
+        instances: Sequence[ModelInstance],
+        statistics: ModelStatistics,
+        inline_below_us: int = 0,
     ) -> None:
         if not instances:
             raise InternalError(f"model '{model_name}' has no instances to execute on")
         self._statistics = statistics
         self._workers = [_Worker(instance, self) for instance in instances]
         # Instances that check their own readiness (a Python model's `is_ready`); fixed once they are initialized.
-        self._readiness_checks = [i.is_ready for i in instances if getattr(i, "checks_readiness", False)]
+        self._readiness_checks: list[Callable[[], bool]] = [i.is_ready for i in instances if i.checks_readiness]
         self._free: list[_Worker] = list(reversed(self._workers))
         self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
         self._typical_ns = 0  # moving average of one execution; decides where the next one runs
@@ -104,23 +105,24 @@ class InstancePool:
             self.release(worker)
             if isinstance(outcome, BaseException):
                 raise outcome
-            responses, (input_ns, infer_ns, output_ns) = outcome
+            execution = outcome
         else:
             loop = asyncio.get_running_loop()
-            done: asyncio.Future[tuple[Results, Phases]] = loop.create_future()
+            done: asyncio.Future[Execution] = loop.create_future()
             worker.jobs.put((requests, done, loop))
-            responses, (input_ns, infer_ns, output_ns) = await done
-        total = input_ns + infer_ns + output_ns
+            execution = await done
+        compute = execution.compute
+        total = compute.input_ns + compute.infer_ns + compute.output_ns
         self._typical_ns = total if not self._typical_ns else (7 * self._typical_ns + total) // 8
         rows = sum(r.batch_size for r in requests) - padding_rows
         count = len(requests) - (1 if padding_rows else 0)
         self._statistics.record_execution(
-            count, rows, [started - t for t in enqueued_ns], input_ns, infer_ns, output_ns
+            count, rows, [started - t for t in enqueued_ns], compute.input_ns, compute.infer_ns, compute.output_ns
         )
         for request in requests:
             if request.compute is not None:
-                request.compute.add(input_ns, infer_ns, output_ns)
-        return responses
+                request.compute.add_times(compute)
+        return execution.results
 
     async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:
         return await self.run(await self.acquire(), requests, enqueued_ns)
@@ -151,7 +153,7 @@ class InstancePool:
                 return
         self._free.append(worker)
 
-    def _finish(self, worker: _Worker, done: asyncio.Future, outcome: tuple[Results, Phases] | BaseException) -> None:
+    def _finish(self, worker: _Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException) -> None:
         """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
         self.release(worker)
         if done.done():

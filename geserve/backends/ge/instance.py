@@ -10,8 +10,9 @@ import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 
+from geserve.backends.base import Execution, ModelInstance, Results
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError
-from geserve.types import InferenceRequest, InferenceResponse, OutputTensor
+from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, OutputTensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class ModelLayout:
     output_names: tuple[str, ...]
 
 
-class GeInstance:
+class GeInstance(ModelInstance):
     def __init__(self, name: str, session: ort.InferenceSession, layout: ModelLayout, device: str) -> None:
         self.name = name
         self.device = device
@@ -41,19 +42,18 @@ class GeInstance:
         self._string_inputs = {n for n, t in layout.inputs.items() if t.wire_type == "BYTES"}
         uses_bf16 = any(t.wire_type == "BF16" for t in (*layout.inputs.values(), *layout.outputs.values()))
         self._run = self._run_bound if uses_bf16 else session.run
-        # (input, infer, output) nanoseconds of the last execute(); read by the pool on the same thread.
-        self.last_phase_ns: tuple[int, int, int] = (0, 0, 0)
 
-    def execute(self, requests: list[InferenceRequest]) -> list[InferenceResponse | GeserveError]:
+    def execute(self, requests: list[InferenceRequest]) -> Execution:
+        start = time.monotonic_ns()
         try:
             if len(requests) == 1:
-                return [self._run_one(requests[0])]
-            return self._run_batch(requests)
+                return self._run_one(requests[0], start)
+            return self._run_batch(requests, start)
         except GeserveError as exc:
-            return [exc] * len(requests)
+            return Execution.timed([exc] * len(requests), start)
         except Exception as exc:  # ONNX Runtime raises its own types; report them, never crash the server
             error = InternalError(f"onnxruntime execution failed on {self.name}: {exc}")
-            return [error] * len(requests)
+            return Execution.timed([error] * len(requests), start)
 
     def finalize(self) -> None:
         self._session = None  # type: ignore[assignment]
@@ -66,8 +66,7 @@ class GeInstance:
             array = _decode_strings(name, array)
         return array
 
-    def _run_one(self, request: InferenceRequest) -> InferenceResponse:
-        start = time.monotonic_ns()
+    def _run_one(self, request: InferenceRequest, start: int) -> Execution:
         batch = request.batch_size
         feed = {t.name: self._feed(t.name, t.data, batch) for t in request.inputs}
         names = _requested_names(request, self._layout.output_names)
@@ -75,12 +74,11 @@ class GeInstance:
         results = self._run(names, feed)
         ran = time.monotonic_ns()
         outputs = [self._output(name, value, batch) for name, value in zip(names, results, strict=True)]
-        self.last_phase_ns = (fed - start, ran - fed, time.monotonic_ns() - ran)
-        return InferenceResponse(request.model_name, request.model_version, outputs, request.id)
+        response = InferenceResponse(request.model_name, request.model_version, outputs, request.id)
+        return Execution([response], ComputeTimes(fed - start, ran - fed, time.monotonic_ns() - ran))
 
-    def _run_batch(self, requests: list[InferenceRequest]) -> list[InferenceResponse | GeserveError]:
+    def _run_batch(self, requests: list[InferenceRequest], start: int) -> Execution:
         """Several requests in one session run: inputs joined along the batch axis, outputs split back."""
-        start = time.monotonic_ns()
         sizes = [r.batch_size for r in requests]
         total = sum(sizes)
         feed = {
@@ -92,14 +90,13 @@ class GeInstance:
         results = dict(zip(names, self._run(names, feed), strict=True))
         ran = time.monotonic_ns()
         offsets = np.cumsum([0, *sizes])
-        responses: list[InferenceResponse | GeserveError] = []
+        responses: Results = []
         for index, request in enumerate(requests):
             begin, end = int(offsets[index]), int(offsets[index + 1])
             wanted = _requested_names(request, self._layout.output_names)
             outputs = [self._output(n, results[n][begin:end], end - begin) for n in wanted]
             responses.append(InferenceResponse(request.model_name, request.model_version, outputs, request.id))
-        self.last_phase_ns = (fed - start, ran - fed, time.monotonic_ns() - ran)
-        return responses
+        return Execution(responses, ComputeTimes(fed - start, ran - fed, time.monotonic_ns() - ran))
 
     def _run_bound(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         """ONNX Runtime's numpy bridge has no bfloat16; bind such tensors as OrtValues and read them raw."""

@@ -12,12 +12,13 @@ import asyncio
 import inspect
 import logging
 import threading
+import time
 import types
 import weakref
 from collections.abc import Coroutine
 from typing import Any
 
-from geserve.backends.base import InferenceHost
+from geserve.backends.base import Execution, InferenceHost, ModelInstance
 from geserve.backends.python import loader, metrics, runtime
 from geserve.backends.python.messages import (
     InferenceRequest,
@@ -59,7 +60,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class PythonInstance:
+class PythonInstance(ModelInstance):
     inline_allowed = False  # execute may block on BLS calls served by the event loop: never run it there
 
     def __init__(
@@ -136,7 +137,11 @@ class PythonInstance:
 
     # ---- execution ----------------------------------------------------------------------------------
 
-    def execute(self, requests: list[CoreRequest]) -> list[Result]:
+    def execute(self, requests: list[CoreRequest]) -> Execution:
+        started = time.monotonic_ns()
+        return Execution.timed(self._results(requests), started)
+
+    def _results(self, requests: list[CoreRequest]) -> list[Result]:
         self._bind()
         if self._decoupled:
             return self._execute_decoupled(requests)
