@@ -1,133 +1,167 @@
-"""Ensembles and the models they use: composing models load first, and dependents follow their loads and unloads.
-
-As in Triton: loading an ensemble loads its composing models (waiting for loads already under way), a missing
-or failed composing model leaves the ensemble UNAVAILABLE with a reason naming it, unloading a composing model
-unloads the ensembles that use it, and loading it again brings them back.
-"""
+"""The ensemble dependency graph, as plain data: which models each ensemble runs on, and from that what to load
+or unload, in what order. No I/O and no asyncio: the model manager reads configs, tells the graph, and asks it."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 
-from geserve.config import ModelConfig
-from geserve.config.ensemble import step_model_names, validate_ensemble_steps
-from geserve.errors import GeserveError, InvalidArgumentError
-from geserve.repository.store import ModelStore
-
-if TYPE_CHECKING:
-    from geserve.repository.lifecycle import ModelManager
-
-logger = logging.getLogger(__name__)
+from geserve.errors import InvalidArgumentError
 
 
-class Dependencies:
-    def __init__(self, manager: ModelManager, store: ModelStore) -> None:
-        self._manager = manager
-        self._store = store
-        self._loading: dict[str, asyncio.Task] = {}  # model -> its load under way
-        self._waits: dict[str, set[str]] = {}  # loading ensemble -> composing models it waits for
-        self._composing: dict[str, frozenset[str]] = {}  # ensemble -> its step models, from its last config
-        self._blocked: set[str] = set()  # ensembles to load again once a composing model is back
+def cycle_message(cycle: Iterable[str]) -> str:
+    return f"circular dependency between ensembles: {' -> '.join(cycle)}"
 
-    async def track(self, name: str, load: Coroutine[Any, Any, None]) -> None:
-        """Run `load`, visible to ensembles that need `name` meanwhile (they wait instead of loading it twice)."""
-        task = asyncio.ensure_future(load)
-        self._loading[name] = task
-        try:
-            await task
-        finally:
-            if self._loading.get(name) is task:
-                del self._loading[name]
 
-    async def resolve(self, ensemble: str, config: ModelConfig) -> dict[str, ModelConfig]:
-        """Load the composing models of `ensemble` and check its steps against them; their configs by name."""
-        names = step_model_names(config)
-        self._composing[ensemble] = frozenset(names)
-        missing = [n for n in names if self._store.find(n) is None]
-        if missing:
-            self._blocked.add(ensemble)
-            raise InvalidArgumentError(
-                f"ensemble {ensemble} contains models that are not available or ambiguous: {', '.join(missing)}"
-            )
-        await asyncio.gather(*(self._ensure(ensemble, n) for n in names))
-        configs: dict[str, ModelConfig] = {}
-        for step in config.ensemble_scheduling.step:
-            version = "" if step.model_version < 0 else str(step.model_version)
-            try:
-                configs[step.model_name] = self._manager.get(step.model_name, version).config
-            except GeserveError as exc:
-                self._blocked.add(ensemble)
-                raise InvalidArgumentError(
-                    f"ensemble '{ensemble}' depends on '{step.model_name}' which is not valid. Model "
-                    f"'{step.model_name}' failed with error: {self._reason(step.model_name, exc)}"
-                ) from None
-        validate_ensemble_steps(config, configs)  # a mismatch stays blocked: a fixed composing model may cure it
-        if any(c.model_transaction_policy.decoupled for c in configs.values()):
-            config.model_transaction_policy.decoupled = True  # as Triton marks it: it answers with a stream
-        self._blocked.discard(ensemble)
-        return configs
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """What loading `target` takes. `levels`: the models it runs on, directly or not, level by level, innermost
+    first (a model needs only models of earlier levels); the target is not among them. `circular`: for each
+    model of the plan that lies on a dependency cycle, that cycle (it cannot load; nothing past it is planned)."""
 
-    async def _ensure(self, ensemble: str, name: str) -> None:
-        """`name` loaded (or its load failed): waits for a load under way, else starts one if none is ready."""
-        cycle = self._path(name, ensemble)
-        if cycle is not None:
-            raise InvalidArgumentError(f"circular dependency between ensembles: {' -> '.join([ensemble, *cycle])}")
-        task = self._loading.get(name)
-        record = self._manager.record(name)
-        if task is None and record is not None and record.latest is not None:
-            return
-        waits = self._waits.setdefault(ensemble, set())
-        waits.add(name)
-        try:
-            if task is not None:
-                await asyncio.wait([task])  # its failure is reported from its record, and our cancel is not its
-            else:
-                with contextlib.suppress(GeserveError):
-                    await self._manager.load(name)
-        finally:
-            waits.discard(name)
-            if not waits:
-                self._waits.pop(ensemble, None)
+    target: str
+    levels: tuple[tuple[str, ...], ...] = ()
+    circular: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def _path(self, start: str, goal: str) -> list[str] | None:
-        """The chain of waiting loads from `start` to `goal` (both included), if `start` already waits on `goal`."""
-        if start == goal:
-            return [start]
-        for after in self._waits.get(start, ()):
-            rest = self._path(after, goal)
-            if rest is not None:
-                return [start, *rest]
+    def cycle_error(self, name: str) -> InvalidArgumentError | None:
+        """Why `name` cannot load, when it lies on a cycle."""
+        cycle = self.circular.get(name)
+        return InvalidArgumentError(cycle_message(cycle)) if cycle is not None else None
+
+
+class DependencyGraph:
+    """Ensembles and their composing models, and the ensembles that are down because a composing model is."""
+
+    def __init__(self) -> None:
+        self._composing: dict[str, frozenset[str]] = {}  # ensemble -> the models its steps run on
+        self._blocked: set[str] = set()  # ensembles to load again once their composing models are back
+
+    # ---- what the manager tells it ----------------------------------------------------------------------
+
+    def set_composing(self, model: str, composing: Iterable[str]) -> None:
+        """`model`'s steps run on `composing` (nothing: it is not an ensemble)."""
+        names = frozenset(composing)
+        if names:
+            self._composing[model] = names
+        else:
+            self._composing.pop(model, None)
+
+    def block(self, ensemble: str) -> None:
+        """`ensemble` is down for want of a composing model: load it again when one comes back."""
+        self._blocked.add(ensemble)
+
+    def unblock(self, model: str) -> None:
+        self._blocked.discard(model)
+
+    # ---- what it answers ---------------------------------------------------------------------------------
+
+    def composing(self, model: str) -> frozenset[str]:
+        return self._composing.get(model, frozenset())
+
+    def is_blocked(self, model: str) -> bool:
+        return model in self._blocked
+
+    def dependents(self, model: str) -> frozenset[str]:
+        """The ensembles with a step on `model`."""
+        return frozenset(e for e, composing in self._composing.items() if model in composing)
+
+    def cycle(self, model: str) -> tuple[str, ...] | None:
+        """A chain of ensembles from `model` back to itself (`a -> b -> a`), if its composing models lead back."""
+        # Depth-first with an explicit stack: each entry is a model and the composing models still to visit.
+        path = [model]
+        pending = [sorted(self.composing(model))]
+        done: set[str] = set()
+        while pending:
+            if not pending[-1]:
+                done.add(path.pop())
+                pending.pop()
+                continue
+            nxt = pending[-1].pop(0)
+            if nxt == model:
+                return (*path, model)
+            if nxt in done or nxt in path:
+                continue
+            path.append(nxt)
+            pending.append(sorted(self.composing(nxt)))
         return None
 
-    def _reason(self, name: str, error: GeserveError) -> str:
-        record = self._manager.record(name)
-        if record is None:
-            return error.message
-        if record.error:
-            return record.error
-        reasons = [f"version {v}: {s.reason}" for v, s in sorted(record.versions.items()) if s.reason]
-        return "; ".join(reasons) or error.message
+    def load_plan(self, target: str) -> LoadPlan:
+        """The models to bring up before `target`, in an order that brings up each after the models it runs on."""
+        circular: dict[str, tuple[str, ...]] = {}
+        depth: dict[str, int] = {}
+        order: list[str] = []  # every model of the plan, each after all it runs on
 
-    async def after_load(self, name: str) -> None:
-        """`name` loaded: load again the ensembles that use it (serving ones re-check their steps)."""
-        for ensemble, composing in list(self._composing.items()):
-            if name not in composing or ensemble in self._loading:
+        # Post-order walk from the target that stops at models on a cycle: past them nothing is needed.
+        stack: list[tuple[str, list[str]]] = []
+
+        def enter(model: str) -> None:
+            cycle = self.cycle(model)
+            if cycle is not None:
+                circular[model] = cycle
+                depth[model] = 0
+                order.append(model)
+            else:
+                depth[model] = -1  # entered, not finished
+                stack.append((model, sorted(self.composing(model))))
+
+        enter(target)
+        while stack:
+            model, rest = stack[-1]
+            if rest:
+                nxt = rest.pop(0)
+                if nxt not in depth:
+                    enter(nxt)
                 continue
-            record = self._manager.record(ensemble)
-            if record is not None and (record.latest is not None or ensemble in self._blocked):
-                with contextlib.suppress(GeserveError):
-                    await self._manager.load(ensemble)
+            stack.pop()
+            # A model off every cycle never meets an unfinished one below it, so every depth here is known.
+            depth[model] = 1 + max((depth[c] for c in self.composing(model)), default=-1)
+            order.append(model)
+        if target in circular:
+            return LoadPlan(target, (), circular)
+        levels: dict[int, list[str]] = {}
+        for model in order:
+            if model != target:
+                levels.setdefault(depth[model], []).append(model)
+        return LoadPlan(target, tuple(tuple(levels[d]) for d in sorted(levels)), circular)
 
-    async def before_unload(self, name: str) -> None:
-        """`name` is about to unload: the ensembles serving with it unload first, and come back with it."""
-        self._blocked.discard(name)  # unloaded on purpose: a composing model's return does not bring it back
-        for ensemble, composing in list(self._composing.items()):
-            record = self._manager.record(ensemble)
-            if name in composing and record is not None and record.latest is not None:
-                logger.info("unloading ensemble '%s': its composing model '%s' is unloading", ensemble, name)
-                await self._manager.unload(ensemble)
-                self._blocked.add(ensemble)
+    def reload_order(self, loaded: Collection[str]) -> list[str]:
+        """The ensembles that run on any of `loaded`, directly or through other ensembles, each after the ones it
+        runs on: the order to load them again in once `loaded` are (back) up. Ensembles on a cycle come last."""
+        wanted: set[str] = set()
+        frontier = list(loaded)
+        while frontier:
+            for ensemble in self.dependents(frontier.pop()):
+                if ensemble not in wanted:
+                    wanted.add(ensemble)
+                    frontier.append(ensemble)
+        return _topological(wanted - set(loaded), self._composing)
+
+    def unload_order(self, model: str, serving: Collection[str]) -> list[str]:
+        """The serving ensembles that must stop before `model` does: those that run on it, directly or through a
+        serving ensemble, each before the ones it runs on (`model` itself is not in the list)."""
+        doomed = {model}
+        frontier = [model]
+        while frontier:
+            for ensemble in self.dependents(frontier.pop()):
+                if ensemble in serving and ensemble not in doomed:
+                    doomed.add(ensemble)
+                    frontier.append(ensemble)
+        doomed.discard(model)
+        return list(reversed(_topological(doomed, self._composing)))
+
+
+def _topological(models: set[str], composing: Mapping[str, frozenset[str]]) -> list[str]:
+    """`models`, each after those of them it runs on (Kahn's algorithm, ties by name); members of a cycle last."""
+    needs = {m: set(composing.get(m, frozenset())) & models for m in models}
+    ordered: list[str] = []
+    ready = sorted(m for m, n in needs.items() if not n)
+    while ready:
+        model = ready.pop(0)
+        ordered.append(model)
+        for other, other_needs in needs.items():
+            if model in other_needs:
+                other_needs.discard(model)
+                if not other_needs and other not in ordered and other not in ready:
+                    ready.append(other)
+        ready.sort()
+    return ordered + sorted(models - set(ordered))

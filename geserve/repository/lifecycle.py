@@ -1,4 +1,10 @@
-"""Model lifecycle: per-version load and unload, serialized per model, with each version's state and reason."""
+"""The model manager: lookups for the infer path, the repository index, load and unload. It decides what to load or
+unload in what order by asking the dependency graph, then drives each model's versions in that order, one way.
+
+As in Triton: loading an ensemble loads its composing models first (waiting for loads already under way), a missing
+or failed composing model leaves the ensemble UNAVAILABLE with a reason naming it, unloading a composing model
+unloads the ensembles that use it, and loading it again brings them back.
+"""
 
 from __future__ import annotations
 
@@ -6,64 +12,34 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
-from geserve import devices
-from geserve.backends.base import ModelSource
 from geserve.backends.registry import BackendRegistry
-from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
-from geserve.config.ensemble import is_ensemble
+from geserve.config import ModelConfig
+from geserve.config.ensemble import is_ensemble, step_model_names, validate_ensemble_steps
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
-from geserve.repository.dependencies import Dependencies
-from geserve.repository.model import LoadedModel, ModelState, VersionStatus, tensor_specs
-from geserve.repository.store import ModelStore, available_versions, select_versions
-from geserve.scheduling.base import create_scheduler
-from geserve.scheduling.ensemble import EnsembleSetup
-from geserve.scheduling.ensemble_plan import EnsemblePlan
-from geserve.scheduling.pool import InstancePool
-from geserve.statistics import LatencyObserver, ModelStatistics
+from geserve.repository.builder import LifecycleOptions, ModelBuilder, PreparedModel
+from geserve.repository.dependencies import DependencyGraph, LoadPlan
+from geserve.repository.model import LoadedModel, ModelState
+from geserve.repository.store import ModelStore
+from geserve.repository.versions import ModelRecord, VersionLifecycle
+
+__all__ = ["LifecycleOptions", "ModelManager", "ModelRecord"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ModelRecord:
-    name: str
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    versions: dict[int, VersionStatus] = field(default_factory=dict)
-    error: str = ""  # a failure before any version could be tried (config, files)
-    loading: bool = False
-    # Highest READY version, kept current so the infer path does one dict lookup.
-    latest: LoadedModel | None = None
-    load_seconds: float = 0.0
-
-    def refresh_latest(self) -> None:
-        ready = [v for v, s in self.versions.items() if s.state is ModelState.READY and s.model]
-        self.latest = self.versions[max(ready)].model if ready else None
-
-
-@dataclass(frozen=True, slots=True)
-class LifecycleOptions:
-    auto_complete: bool = True
-    default_instance_kind: int = devices.KIND_CPU
-    inline_execution_us: int = 0
-    # Per-model latency observer for the metrics' summaries / histograms; None when none are configured.
-    latency_observer_factory: Callable[[], LatencyObserver] | None = None
-
-    def new_statistics(self) -> ModelStatistics:
-        factory = self.latency_observer_factory
-        return ModelStatistics(factory() if factory is not None else None)
 
 
 class ModelManager:
     def __init__(self, store: ModelStore, registry: BackendRegistry, options: LifecycleOptions) -> None:
         self._store = store
-        self._registry = registry
-        self._options = options
+        self._builder = ModelBuilder(registry, options)
+        self._versions = VersionLifecycle(self._builder)
+        self._graph = DependencyGraph()
         self._records: dict[str, ModelRecord] = {}
-        self._dependencies = Dependencies(self, store)
+        # model -> one event per load of it under way: a load that needs the model waits for them instead of
+        # starting another.
+        self._flights: dict[str, list[asyncio.Event]] = {}
 
     # ---- the infer path -------------------------------------------------------------------------
 
@@ -106,7 +82,7 @@ class ModelManager:
                 continue
             if not record.versions:
                 if not ready_only:
-                    state = ModelState.LOADING if record.loading else ModelState.UNAVAILABLE
+                    state = ModelState.LOADING if name in self._flights else ModelState.UNAVAILABLE
                     entry = {"name": name, "state": state.value}
                     if record.error:
                         entry["reason"] = record.error
@@ -144,153 +120,205 @@ class ModelManager:
         return self._records.get(name)
 
     async def load(self, name: str, config_json: str | None = None) -> None:
-        """Load (or reload) a model's versions under its policy; raise naming the reason if any failed."""
-        await self._dependencies.track(name, self._load(name, config_json))
-        await self._dependencies.after_load(name)
-
-    async def _load(self, name: str, config_json: str | None) -> None:
-        model_dir = self._store.find(name)
-        if model_dir is None:
-            raise InternalError(f"failed to load '{name}', failed to poll from model repository")
-        record = self._records.setdefault(name, ModelRecord(name))
-        async with record.lock:
-            record.loading = True
-            started = time.monotonic()
-            try:
-                failures = await self._load_locked(record, model_dir, config_json)
-            finally:
-                record.loading = False
-                record.load_seconds = time.monotonic() - started
-        if failures:
-            raise InvalidArgumentError(f"load failed for model '{name}': {'; '.join(failures)}")
-
-    async def _load_locked(self, record: ModelRecord, model_dir: Path, config_json: str | None) -> list[str]:
-        previous = {v: s for v, s in record.versions.items() if s.model is not None}
-        try:
-            config, selected = await asyncio.to_thread(self._prepare, record.name, model_dir, config_json)
-            steps = await self._dependencies.resolve(record.name, config) if is_ensemble(config) else {}
-        except GeserveError as exc:
-            logger.error("model '%s' is unavailable: %s", record.name, exc.message)
-            if previous:  # as in Triton, a failed reload leaves the serving versions in place
-                return [exc.message]
-            record.error = exc.message
-            record.versions = {}
-            record.refresh_latest()
-            return [exc.message]
-        record.error = ""
-        loaded = {version: await self._load_version(config, model_dir, version, steps) for version in selected}
-        failures = [f"version {v}: {s.reason}" for v, s in loaded.items() if s.state is not ModelState.READY]
-        for version, status in list(loaded.items()):
-            if status.state is not ModelState.READY and version in previous:
-                loaded[version] = previous.pop(version)
-        # The new versions go live before the old ones stop, so a reload never drops traffic.
-        record.versions = loaded
-        record.refresh_latest()
-        await self._stop(record.name, list(previous.values()))
-        for version, status in previous.items():
-            record.versions.setdefault(version, status)
-        return failures
-
-    def _prepare(self, name: str, model_dir: Path, config_json: str | None) -> tuple[ModelConfig, list[int]]:
-        if config_json is not None:
-            config = parse_config_json(config_json, f"the 'config' parameter of the load request for '{name}'")
-        else:
-            config = read_model_config(model_dir, allow_missing=self._options.auto_complete)
-        if not config.name:
-            config.name = name
-        self._registry.complete_platform(config, model_dir)
-        versions = available_versions(model_dir)
-        backend = self._registry.backend_for(config)
-        if self._options.auto_complete and versions:
-            backend.auto_complete_config(config, ModelSource(model_dir, versions[-1]))
-        fill_defaults(config, self._options.default_instance_kind, backend.default_model_filename)
-        validate(config, name)
-        selected = select_versions(config.version_policy, versions)
-        if not selected:
-            raise InvalidArgumentError(
-                f"at least one version must be available under the version policy of model '{name}' "
-                f"(no numeric version folder in {model_dir})"
-            )
-        return config, selected
-
-    async def _load_version(
-        self, config: ModelConfig, model_dir: Path, version: int, steps: dict[str, ModelConfig]
-    ) -> VersionStatus:
-        source = ModelSource(model_dir, version)
-        if not source.version_dir.is_dir():
-            return VersionStatus(ModelState.UNAVAILABLE, f"version folder {source.version_dir} not found")
-        try:
-            backend = self._registry.backend_for(config)
-            instances = await asyncio.to_thread(backend.create_instances, config, source)
-            labels = await asyncio.to_thread(_read_labels, config, model_dir)
-            statistics = self._options.new_statistics()
-            readiness = None
-            if is_ensemble(config):  # no instances: the steps run on their own models
-                setup = EnsembleSetup(EnsemblePlan.build(config, steps), self._registry.host, statistics)
-                scheduler = create_scheduler(config, None, setup)
-            else:
-                pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
-                scheduler = create_scheduler(config, pool)
-                readiness = pool.instances_ready if pool.checks_readiness else None
-        except GeserveError as exc:
-            logger.error("model '%s' version %d is unavailable: %s", config.name, version, exc.message)
-            return VersionStatus(ModelState.UNAVAILABLE, exc.message)
-        model = LoadedModel(
-            name=config.name,
-            version=version,
-            config=config,
-            scheduler=scheduler,
-            statistics=statistics,
-            inputs=tensor_specs(config.input),
-            outputs=tensor_specs(config.output),
-            labels=labels,
-            input_order=tuple(t.name for t in config.input),
-            decoupled=config.model_transaction_policy.decoupled,
-            readiness=readiness,
-        )
-        logger.info("successfully loaded '%s' version %d", config.name, version)
-        return VersionStatus(ModelState.READY, "", model)
-
-    async def _stop(self, name: str, statuses: list[VersionStatus]) -> None:
-        for status in statuses:
-            if status.model is None:
-                continue
-            status.state = ModelState.UNLOADING
-            await status.model.scheduler.stop()
-            logger.info("successfully unloaded '%s' version %d", name, status.model.version)
-            status.model = None
-            status.state, status.reason = ModelState.UNAVAILABLE, "unloaded"
-
-    async def _unload_locked(self, record: ModelRecord) -> None:
-        statuses = list(record.versions.values())
-        for status in statuses:
-            if status.state is ModelState.READY:
-                status.state = ModelState.UNLOADING
-        record.refresh_latest()
-        await self._stop(record.name, statuses)
-        record.refresh_latest()
+        """Load (or reload) a model's versions under its policy, after the models it runs on; then load again the
+        ensembles that run on what came up. Raise naming the reason if any version failed."""
+        loaded, error = await self._load_with_composing(name, config_json)
+        await self._reload_dependents(loaded, {name})
+        if error is not None:
+            raise error
 
     async def unload(self, name: str) -> None:
         record = self._records.get(name)
         if record is None:
             return  # as in Triton, unloading what is not loaded succeeds
-        await self._dependencies.before_unload(name)
-        async with record.lock:
-            await self._unload_locked(record)
+        self._graph.unblock(name)  # unloaded on purpose: a composing model's return does not bring it back
+        serving = {n for n, r in self._records.items() if r.latest is not None}
+        for ensemble in self._graph.unload_order(name, serving):
+            logger.info("unloading ensemble '%s': its composing model '%s' is unloading", ensemble, name)
+            await self._versions.unload(self._records[ensemble])
+            self._graph.block(ensemble)
+        await self._versions.unload(record)
 
     async def shutdown(self) -> None:
         for record in list(self._records.values()):
-            async with record.lock:
-                await self._unload_locked(record)
+            await self._versions.unload(record)
 
+    # ---- loading, in the graph's order ------------------------------------------------------------
 
-def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:
-    labels = {}
-    for output in config.output:
-        if output.label_filename:
-            path = model_dir / output.label_filename
+    async def _load_with_composing(
+        self, name: str, config_json: str | None
+    ) -> tuple[set[str], GeserveError | None]:
+        """Load `name`, bringing up first the models it runs on that are not up; the models that came up."""
+        model_dir = self._store.find(name)
+        if model_dir is None:
+            return set(), InternalError(f"failed to load '{name}', failed to poll from model repository")
+        loaded: set[str] = set()
+        with self._in_flight(name):
+            record = self._records.setdefault(name, ModelRecord(name))
+            started = time.monotonic()
             try:
-                labels[output.name] = path.read_text().splitlines()
-            except OSError as exc:
-                raise InvalidArgumentError(f"failed to read label file {path}: {exc}") from None
-    return labels
+                prepared = await self._prepare(name, model_dir, config_json)
+                if prepared.is_ensemble:
+                    self._check_present(name, prepared.composing)
+                await self._discover(name)
+                plan = self._graph.load_plan(name)
+                cycle = plan.cycle_error(name)
+                if cycle is not None:
+                    raise cycle
+            except GeserveError as exc:
+                await self._versions.fail(record, exc.message, started)
+                return loaded, _load_failed(name, [exc.message])
+            for level in plan.levels:
+                came_up = await asyncio.gather(*(self._bring_up(model, plan) for model in level))
+                loaded.update(model for model, up in zip(level, came_up, strict=True) if up)
+            error = await self._finish(record, prepared, started)
+        if error is None:
+            loaded.add(name)
+        return loaded, error
+
+    async def _bring_up(self, name: str, plan: LoadPlan) -> bool:
+        """`name` up for an ensemble that runs on it: wait for its loads under way, else load it unless it serves
+        (its own composing models are up already: they came earlier in the plan). Whether this loaded it."""
+        if name in self._flights:
+            for done in list(self._flights[name]):
+                await done.wait()  # how it went shows in its record, which the ensemble reads
+            return False
+        record = self._records.get(name)
+        model_dir = self._store.find(name)
+        if (record is not None and record.latest is not None) or model_dir is None:
+            return False  # a missing one is named by the ensemble that needs it
+        with self._in_flight(name):
+            record = self._records.setdefault(name, ModelRecord(name))
+            started = time.monotonic()
+            try:
+                cycle = plan.cycle_error(name)
+                if cycle is not None:
+                    raise cycle
+                prepared = await self._prepare(name, model_dir, None)
+            except GeserveError as exc:
+                await self._versions.fail(record, exc.message, started)
+                return False
+            return await self._finish(record, prepared, started) is None
+
+    async def _reload_dependents(self, loaded: set[str], skip: set[str]) -> None:
+        """Load again the ensembles that run on `loaded` and serve or wait for them (blocked), each after those it
+        runs on; an ensemble that comes back brings back in turn those that run on it."""
+        reached, tried = set(loaded), loaded | skip
+        while True:
+            ensemble = next(
+                (e for e in self._graph.reload_order(reached) if e not in tried and self._graph.composing(e) & reached),
+                None,
+            )
+            if ensemble is None:
+                return
+            tried.add(ensemble)
+            record = self._records.get(ensemble)
+            if ensemble in self._flights or record is None:
+                continue
+            if record.latest is not None or self._graph.is_blocked(ensemble):
+                came_up, _ = await self._load_with_composing(ensemble, None)
+                reached |= came_up
+
+    async def _prepare(self, name: str, model_dir: Path, config_json: str | None) -> PreparedModel:
+        prepared = await asyncio.to_thread(self._builder.prepare, name, model_dir, config_json)
+        self._graph.set_composing(name, prepared.composing)
+        return prepared
+
+    async def _discover(self, name: str) -> None:
+        """Tell the graph what the models `name` runs on run on, reading the configs of those neither up nor
+        loading (a load under way tells the graph itself, and may carry a config of its own)."""
+        seen = {name}
+        pending = list(self._graph.composing(name))
+        while pending:
+            model = pending.pop()
+            if model in seen:
+                continue
+            seen.add(model)
+            if not self._settled(model):
+                model_dir = self._store.find(model)
+                names = await asyncio.to_thread(self._builder.composing_names, model_dir) if model_dir else []
+                if not self._settled(model):
+                    self._graph.set_composing(model, names)
+            pending.extend(self._graph.composing(model))
+
+    def _settled(self, name: str) -> bool:
+        """Whether the graph already knows `name`'s composing models: it serves, or a load of it is under way."""
+        record = self._records.get(name)
+        return name in self._flights or (record is not None and record.latest is not None)
+
+    async def _finish(self, record: ModelRecord, prepared: PreparedModel, started: float) -> GeserveError | None:
+        """`record`'s own load, its composing models (if any) being as up as they will get."""
+        try:
+            steps = self._resolve_steps(record.name, prepared.config) if prepared.is_ensemble else {}
+        except GeserveError as exc:
+            await self._versions.fail(record, exc.message, started)
+            self._sync_composing(record, prepared)
+            return _load_failed(record.name, [exc.message])
+        failures = await self._versions.load(record, prepared, steps, started)
+        self._sync_composing(record, prepared)
+        return _load_failed(record.name, failures) if failures else None
+
+    def _sync_composing(self, record: ModelRecord, prepared: PreparedModel) -> None:
+        """After a reload that failed with older versions serving on, the graph follows the configs that serve."""
+        serving = record.serving()
+        if serving:
+            self._graph.set_composing(
+                record.name, {n for m in serving if is_ensemble(m.config) for n in step_model_names(m.config)}
+            )
+        else:
+            self._graph.set_composing(record.name, prepared.composing)
+
+    def _check_present(self, ensemble: str, composing: list[str]) -> None:
+        missing = [n for n in composing if self._store.find(n) is None]
+        if missing:
+            self._graph.block(ensemble)
+            raise InvalidArgumentError(
+                f"ensemble {ensemble} contains models that are not available or ambiguous: {', '.join(missing)}"
+            )
+
+    def _resolve_steps(self, ensemble: str, config: ModelConfig) -> dict[str, ModelConfig]:
+        """The configs of the composing models the steps run on, by name, checked against the steps."""
+        self._check_present(ensemble, step_model_names(config))
+        configs: dict[str, ModelConfig] = {}
+        for step in config.ensemble_scheduling.step:
+            version = "" if step.model_version < 0 else str(step.model_version)
+            try:
+                configs[step.model_name] = self.get(step.model_name, version).config
+            except GeserveError as exc:
+                self._graph.block(ensemble)
+                raise InvalidArgumentError(
+                    f"ensemble '{ensemble}' depends on '{step.model_name}' which is not valid. Model "
+                    f"'{step.model_name}' failed with error: {self._reason(step.model_name, exc)}"
+                ) from None
+        validate_ensemble_steps(config, configs)  # a mismatch stays blocked: a fixed composing model may cure it
+        if any(c.model_transaction_policy.decoupled for c in configs.values()):
+            config.model_transaction_policy.decoupled = True  # as Triton marks it: it answers with a stream
+        self._graph.unblock(ensemble)
+        return configs
+
+    def _reason(self, name: str, error: GeserveError) -> str:
+        record = self._records.get(name)
+        if record is None:
+            return error.message
+        if record.error:
+            return record.error
+        reasons = [f"version {v}: {s.reason}" for v, s in sorted(record.versions.items()) if s.reason]
+        return "; ".join(reasons) or error.message
+
+    @contextlib.contextmanager
+    def _in_flight(self, name: str) -> Iterator[None]:
+        """Mark a load of `name` under way, for loads that need `name` to wait on."""
+        done = asyncio.Event()
+        flights = self._flights.setdefault(name, [])
+        flights.append(done)
+        try:
+            yield
+        finally:
+            done.set()
+            flights.remove(done)
+            if not flights and self._flights.get(name) is flights:
+                del self._flights[name]
+
+
+def _load_failed(name: str, failures: list[str]) -> InvalidArgumentError:
+    return InvalidArgumentError(f"load failed for model '{name}': {'; '.join(failures)}")

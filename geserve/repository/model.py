@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from tritonclient.grpc.model_config_pb2 import ModelInput, ModelOutput
 
 from geserve.config import ModelConfig
 from geserve.scheduling.base import Scheduler
@@ -26,7 +27,7 @@ class ModelState(enum.Enum):
 class TensorSpec:
     name: str
     wire_type: str
-    dtype: np.dtype
+    dtype: np.dtype[np.generic]
     dims: tuple[int, ...]
     optional: bool = False
 
@@ -52,7 +53,7 @@ class LoadedModel:
         return self.config.max_batch_size
 
 
-def tensor_specs(tensors) -> dict[str, TensorSpec]:
+def tensor_specs(tensors: Iterable[ModelInput | ModelOutput]) -> dict[str, TensorSpec]:
     specs = {}
     for tensor in tensors:
         datatype = BY_CONFIG[tensor.data_type]

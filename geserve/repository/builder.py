@@ -1,0 +1,139 @@
+"""Turns a model's config into a servable model: reads and completes the config, then builds each version's
+backend instances, instance pool (or ensemble plan), scheduler, labels, statistics and readiness check."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from geserve import devices
+from geserve.backends.base import ModelSource
+from geserve.backends.registry import BackendRegistry
+from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
+from geserve.config.ensemble import is_ensemble, step_model_names
+from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError
+from geserve.repository.model import LoadedModel, tensor_specs
+from geserve.repository.store import available_versions, select_versions
+from geserve.scheduling.base import create_scheduler
+from geserve.scheduling.ensemble import EnsembleSetup
+from geserve.scheduling.ensemble_plan import EnsemblePlan
+from geserve.scheduling.pool import InstancePool
+from geserve.statistics import LatencyObserver, ModelStatistics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleOptions:
+    auto_complete: bool = True
+    default_instance_kind: int = devices.KIND_CPU
+    inline_execution_us: int = 0
+    # Per-model latency observer for the metrics' summaries / histograms; None when none are configured.
+    latency_observer_factory: Callable[[], LatencyObserver] | None = None
+
+    def new_statistics(self) -> ModelStatistics:
+        factory = self.latency_observer_factory
+        return ModelStatistics(factory() if factory is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedModel:
+    """A model's complete, validated config and the versions its version policy selects."""
+
+    config: ModelConfig
+    model_dir: Path
+    versions: tuple[int, ...]
+
+    @property
+    def is_ensemble(self) -> bool:
+        return is_ensemble(self.config)
+
+    @property
+    def composing(self) -> list[str]:
+        """The models an ensemble's steps run on; none for any other model."""
+        return step_model_names(self.config) if self.is_ensemble else []
+
+
+class ModelBuilder:
+    def __init__(self, registry: BackendRegistry, options: LifecycleOptions) -> None:
+        self._registry = registry
+        self._options = options
+
+    def composing_names(self, model_dir: Path) -> list[str]:
+        """The composing models the config on disk names, read without completing it (auto-complete may run
+        model code); none when it is not an ensemble or cannot be read (its own load reports why)."""
+        try:
+            config = read_model_config(model_dir, allow_missing=True)
+        except GeserveError:
+            return []
+        return step_model_names(config) if is_ensemble(config) else []
+
+    def prepare(self, name: str, model_dir: Path, config_json: str | None) -> PreparedModel:
+        """The config (from `config_json` when a load request carries one), completed and validated; blocking."""
+        if config_json is not None:
+            config = parse_config_json(config_json, f"the 'config' parameter of the load request for '{name}'")
+        else:
+            config = read_model_config(model_dir, allow_missing=self._options.auto_complete)
+        if not config.name:
+            config.name = name
+        self._registry.complete_platform(config, model_dir)
+        versions = available_versions(model_dir)
+        backend = self._registry.backend_for(config)
+        if self._options.auto_complete and versions:
+            backend.auto_complete_config(config, ModelSource(model_dir, versions[-1]))
+        fill_defaults(config, self._options.default_instance_kind, backend.default_model_filename)
+        validate(config, name)
+        selected = select_versions(config.version_policy, versions)
+        if not selected:
+            raise InvalidArgumentError(
+                f"at least one version must be available under the version policy of model '{name}' "
+                f"(no numeric version folder in {model_dir})"
+            )
+        return PreparedModel(config, model_dir, tuple(selected))
+
+    async def build(self, prepared: PreparedModel, version: int, steps: Mapping[str, ModelConfig]) -> LoadedModel:
+        """One version, ready to serve; `steps` are an ensemble's composing models' configs, by name."""
+        config = prepared.config
+        source = ModelSource(prepared.model_dir, version)
+        if not source.version_dir.is_dir():
+            raise NotFoundError(f"version folder {source.version_dir} not found")
+        backend = self._registry.backend_for(config)
+        instances = await asyncio.to_thread(backend.create_instances, config, source)
+        labels = await asyncio.to_thread(_read_labels, config, prepared.model_dir)
+        statistics = self._options.new_statistics()
+        readiness = None
+        if is_ensemble(config):  # no instances: the steps run on their own models
+            setup = EnsembleSetup(EnsemblePlan.build(config, dict(steps)), self._registry.host, statistics)
+            scheduler = create_scheduler(config, None, setup)
+        else:
+            pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
+            scheduler = create_scheduler(config, pool)
+            readiness = pool.instances_ready if pool.checks_readiness else None
+        return LoadedModel(
+            name=config.name,
+            version=version,
+            config=config,
+            scheduler=scheduler,
+            statistics=statistics,
+            inputs=tensor_specs(config.input),
+            outputs=tensor_specs(config.output),
+            labels=labels,
+            input_order=tuple(t.name for t in config.input),
+            decoupled=config.model_transaction_policy.decoupled,
+            readiness=readiness,
+        )
+
+
+def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:
+    labels = {}
+    for output in config.output:
+        if output.label_filename:
+            path = model_dir / output.label_filename
+            try:
+                labels[output.name] = path.read_text().splitlines()
+            except OSError as exc:
+                raise InvalidArgumentError(f"failed to read label file {path}: {exc}") from None
+    return labels

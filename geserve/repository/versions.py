@@ -1,0 +1,104 @@
+"""One model's versions and their states: loads, swaps and unloads them under the model's own lock, and knows
+nothing of other models (the model manager decides which model to load when)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from geserve.config import ModelConfig
+from geserve.errors import GeserveError
+from geserve.repository.builder import ModelBuilder, PreparedModel
+from geserve.repository.model import LoadedModel, ModelState, VersionStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRecord:
+    name: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    versions: dict[int, VersionStatus] = field(default_factory=dict)
+    error: str = ""  # a failure before any version could be tried (config, files, composing models)
+    # Highest READY version, kept current so the infer path does one dict lookup.
+    latest: LoadedModel | None = None
+    load_seconds: float = 0.0
+
+    def refresh_latest(self) -> None:
+        ready = [v for v, s in self.versions.items() if s.state is ModelState.READY and s.model]
+        self.latest = self.versions[max(ready)].model if ready else None
+
+    def serving(self) -> list[LoadedModel]:
+        return [s.model for _, s in sorted(self.versions.items()) if s.model is not None]
+
+
+class VersionLifecycle:
+    def __init__(self, builder: ModelBuilder) -> None:
+        self._builder = builder
+
+    async def load(
+        self, record: ModelRecord, prepared: PreparedModel, steps: Mapping[str, ModelConfig], started: float
+    ) -> list[str]:
+        """Build the selected versions and put them in service; the failures, one per version that failed."""
+        async with record.lock:
+            try:
+                previous = {v: s for v, s in record.versions.items() if s.model is not None}
+                record.error = ""
+                loaded = {v: await self._build(prepared, v, steps) for v in prepared.versions}
+                failures = [f"version {v}: {s.reason}" for v, s in loaded.items() if s.state is not ModelState.READY]
+                for version, status in list(loaded.items()):
+                    if status.state is not ModelState.READY and version in previous:
+                        loaded[version] = previous.pop(version)
+                # The new versions go live before the old ones stop, so a reload never drops traffic.
+                record.versions = loaded
+                record.refresh_latest()
+                await _stop(record.name, list(previous.values()))
+                for version, status in previous.items():
+                    record.versions.setdefault(version, status)
+                return failures
+            finally:
+                record.load_seconds = time.monotonic() - started
+
+    async def fail(self, record: ModelRecord, message: str, started: float) -> None:
+        """The load failed before any version could be tried."""
+        async with record.lock:
+            logger.error("model '%s' is unavailable: %s", record.name, message)
+            record.load_seconds = time.monotonic() - started
+            if any(s.model is not None for s in record.versions.values()):
+                return  # as in Triton, a failed reload leaves the serving versions in place
+            record.error = message
+            record.versions = {}
+            record.refresh_latest()
+
+    async def unload(self, record: ModelRecord) -> None:
+        async with record.lock:
+            statuses = list(record.versions.values())
+            for status in statuses:
+                if status.state is ModelState.READY:
+                    status.state = ModelState.UNLOADING
+            record.refresh_latest()
+            await _stop(record.name, statuses)
+            record.refresh_latest()
+
+    async def _build(self, prepared: PreparedModel, version: int, steps: Mapping[str, ModelConfig]) -> VersionStatus:
+        try:
+            model = await self._builder.build(prepared, version, steps)
+        except GeserveError as exc:
+            logger.error("model '%s' version %d is unavailable: %s", prepared.config.name, version, exc.message)
+            return VersionStatus(ModelState.UNAVAILABLE, exc.message)
+        logger.info("successfully loaded '%s' version %d", prepared.config.name, version)
+        return VersionStatus(ModelState.READY, "", model)
+
+
+async def _stop(name: str, statuses: list[VersionStatus]) -> None:
+    for status in statuses:
+        if status.model is None:
+            continue
+        status.state = ModelState.UNLOADING
+        await status.model.scheduler.stop()
+        logger.info("successfully unloaded '%s' version %d", name, status.model.version)
+        status.model = None
+        status.state, status.reason = ModelState.UNAVAILABLE, "unloaded"
