@@ -172,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _install_event_loop_policy()
 
-    async def run() -> None:
+    async def serve() -> None:
         await Server(settings).run_until_signalled()
 
     try:
-        asyncio.run(run())
+        asyncio.run(serve())
     except StartupError as exc:
         print(f"error: creating server: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -60,12 +61,12 @@ class ServerSettings:
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ServerSettings:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
         """Defaults overridden by GESERVE_<FIELD> variables (scalar fields; lists are comma separated)."""
-        environ = os.environ if environ is None else environ
+        variables = os.environ if environ is None else environ
         settings = cls()
         for item in fields(cls):
-            raw = environ.get(_ENV_PREFIX + item.name.upper())
+            raw = variables.get(_ENV_PREFIX + item.name.upper())
             if raw is None or item.name in ("backend_config", "metrics_config"):
                 continue
             current = getattr(settings, item.name)

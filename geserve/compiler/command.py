@@ -110,7 +110,7 @@ def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: i
     names = [o.name for o in compiled.get_outputs() if o.name in {s.name for s in sessions[0].get_outputs()}]
     if not names:
         raise CompilerError("--check: the compiled model shares no output name with the source")
-    results: dict[str, list[list]] = {name: [[], []] for name in names}
+    results: dict[str, list[list[np.ndarray]]] = {name: [[], []] for name in names}
     for batch in batches:
         feed = {k: np.asarray(v).astype(types[k], copy=False) for k, v in batch.items()}
         for index, session in enumerate(sessions):

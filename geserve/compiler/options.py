@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from geserve.compiler.errors import CompilerError
 
@@ -44,7 +45,7 @@ class CompileOptions:
             raise CompilerError(f"batch gears must be >= 1, got {self.batch_gears}")
         self.batch_gears = sorted(set(self.batch_gears))
 
-    def cache_fields(self) -> dict:
+    def cache_fields(self) -> dict[str, Any]:
         """Everything that changes the compiled bytes, the model path excepted (its content hash is used)."""
         fields = asdict(self)
         fields.pop("model")

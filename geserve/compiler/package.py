@@ -21,9 +21,12 @@ import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geserve.compiler.errors import MissingDependencyError, PackageError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAGIC = b"GEMODEL\0"
 FORMAT_VERSION = 1
@@ -83,7 +86,7 @@ def _parse_key(raw: bytes, where: str) -> bytes:
     return key
 
 
-def _aesgcm(key: bytes):
+def _aesgcm(key: bytes) -> AESGCM:
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:

@@ -90,7 +90,7 @@ def insert_preprocessing(model: onnx.ModelProto, config: dict[str, Any]) -> onnx
         inits.append(numpy_helper.from_array(array, f"aipp_{label}"))
         return f"aipp_{label}"
 
-    def step(op: str, extra_inputs: list[str], label: str, **attrs) -> None:
+    def step(op: str, extra_inputs: list[str], label: str, **attrs: Any) -> None:
         nonlocal current
         output = f"{name}__aipp_{label}"
         nodes.append(helper.make_node(op, [current, *extra_inputs], [output], name=f"aipp_{label}", **attrs))

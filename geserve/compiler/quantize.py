@@ -28,7 +28,7 @@ def calibration_batches(folder: Path, model: onnx.ModelProto) -> list[dict[str, 
     files = sorted(p for p in Path(folder).glob("*") if p.suffix in (".npy", ".npz")) if folder.is_dir() else []
     if not files:
         raise CompilerError(f"--calibration-data {folder} holds no .npy or .npz files")
-    batches = []
+    batches: list[dict[str, np.ndarray]] = []
     for path in files:
         if path.suffix == ".npy":
             if len(inputs) != 1:

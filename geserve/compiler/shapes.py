@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import onnx
 from onnx import shape_inference
 
@@ -17,7 +20,7 @@ def dims_of(value: onnx.ValueInfoProto) -> list[int]:
     return [d.dim_value if d.HasField("dim_value") else -1 for d in value.type.tensor_type.shape.dim]
 
 
-def signature(values) -> dict[str, dict]:
+def signature(values: Iterable[onnx.ValueInfoProto]) -> dict[str, dict[str, Any]]:
     return {
         v.name: {
             "dtype": onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type),

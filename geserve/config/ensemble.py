@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc.model_config_pb2 import ModelConfig, ModelInput, ModelOutput
 
 from geserve.errors import InvalidArgumentError
 
-ModelConfig = model_config_pb2.ModelConfig
 ENSEMBLE_PLATFORM = "ensemble"
 
 
@@ -150,7 +150,7 @@ def _check_consistent(ensemble: str, tensor: str, lhs: _TensorNode, rhs: _Tensor
         )
 
 
-def _io_dims(tensor) -> tuple[int, ...]:
+def _io_dims(tensor: ModelInput | ModelOutput) -> tuple[int, ...]:
     return tuple(tensor.reshape.shape) if tensor.HasField("reshape") else tuple(tensor.dims)
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
+
+if TYPE_CHECKING:
+    from google._upb._message import Descriptor as UpbDescriptor  # what Message.DESCRIPTOR is with upb
 
 _INT64_TYPES = {
     FieldDescriptor.TYPE_INT64,
@@ -26,18 +29,19 @@ def message_to_json_dict(message: Message) -> dict[str, Any]:
     return as_dict
 
 
-def _unquote_int64(value: dict[str, Any], descriptor: Descriptor) -> None:
+def _unquote_int64(value: dict[str, Any], descriptor: Descriptor | UpbDescriptor) -> None:
     for field in descriptor.fields:
         if field.name not in value:
             continue
         item = value[field.name]
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            entry = field.message_type
+        entry = field.message_type  # None unless the field is TYPE_MESSAGE (or a proto2 group)
+        if field.type == FieldDescriptor.TYPE_MESSAGE and entry is not None:
             if entry.GetOptions().map_entry:
                 value_field = entry.fields_by_name["value"]
-                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                value_entry = value_field.message_type
+                if value_field.type == FieldDescriptor.TYPE_MESSAGE and value_entry is not None:
                     for sub in item.values():
-                        _unquote_int64(sub, value_field.message_type)
+                        _unquote_int64(sub, value_entry)
                 elif value_field.type in _INT64_TYPES:
                     value[field.name] = {k: int(v) for k, v in item.items()}
             elif field.is_repeated:

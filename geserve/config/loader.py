@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
-from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc.model_config_pb2 import ModelConfig as ModelConfig  # re-exported by geserve.config
 
 from geserve.errors import InvalidArgumentError
 
 CONFIG_FILENAME = "config.pbtxt"
-ModelConfig = model_config_pb2.ModelConfig
 
 
 def parse_config_text(text: str, source: str) -> ModelConfig:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc.model_config_pb2 import ModelConfig, ModelInput, ModelOutput
 
 from geserve.config.ensemble import is_ensemble, validate_ensemble_graph
 from geserve.errors import InvalidArgumentError
-
-ModelConfig = model_config_pb2.ModelConfig
 
 
 def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model_filename: str) -> None:
@@ -71,7 +70,7 @@ def validate(config: ModelConfig, model_dir_name: str) -> None:
     validate_ensemble_graph(config)
 
 
-def _validate_tensor(config: ModelConfig, kind: str, tensor) -> None:
+def _validate_tensor(config: ModelConfig, kind: str, tensor: ModelInput | ModelOutput) -> None:
     if not tensor.name:
         raise InvalidArgumentError(f"model '{config.name}' has an {kind} without a name")
     if tensor.data_type == model_config_pb2.TYPE_INVALID:

@@ -68,7 +68,7 @@ def resolve_target(kind: int, device_id: int, accelerator: str | None = None) ->
 
     `accelerator` names a provider family ("cuda", "npu", "tensorrt"); "cpu" or None on a CPU instance.
     """
-    cpu = ("CPUExecutionProvider", {})
+    cpu: tuple[str, dict[str, Any]] = ("CPUExecutionProvider", {})
     if kind != KIND_GPU and accelerator in (None, "", "cpu"):
         return ExecutionTarget("cpu", [cpu])
     provider = _ACCELERATOR_PROVIDERS.get(accelerator or "") if accelerator else _accelerator_provider()

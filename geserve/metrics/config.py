@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from geserve.settings import parse_bool
 
@@ -37,7 +38,7 @@ class MetricsConfig:
     @classmethod
     def from_pairs(cls, pairs: Mapping[str, str]) -> MetricsConfig:
         """Parse `--metrics-config` pairs; a malformed value raises ValueError, an unknown key is ignored."""
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # keyword arguments of cls, of several types
         for key, raw in pairs.items():
             if key in ("counter_latencies", "summary_latencies", "histogram_latencies"):
                 values[key] = _parse_bool(key, raw)
@@ -45,7 +46,7 @@ class MetricsConfig:
                 values[key] = parse_quantiles(raw)
             else:
                 logger.warning("ignoring unknown --metrics-config setting '%s'", key)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
 
 def _parse_bool(key: str, raw: str) -> bool:

@@ -48,4 +48,4 @@ def tensor_bytes(tensor: Tensor, copy: bool = False) -> bytes | memoryview:
             parts.append(item)
         return b"".join(parts)
     contiguous = np.ascontiguousarray(data)
-    return contiguous.tobytes() if copy else memoryview(contiguous.reshape(-1).view(np.uint8))
+    return contiguous.tobytes() if copy else contiguous.reshape(-1).view(np.uint8).data

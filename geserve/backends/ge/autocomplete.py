@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 from tritonclient.grpc import model_config_pb2
@@ -14,6 +15,10 @@ from geserve.compiler.package import is_package, read_manifest
 from geserve.config import ModelConfig
 from geserve.errors import InvalidArgumentError
 from geserve.types.datatypes import BY_WIRE, ONNX_TO_WIRE
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+    from tritonclient.grpc.model_config_pb2 import ModelInput, ModelOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +101,11 @@ def _dims_given_with_batch(config: ModelConfig, graph: list[GraphTensor]) -> boo
     return bool(given) and all(len(t.dims) == ranks.get(t.name, -1) for t in given)
 
 
-def _complete(configured, graph: list[GraphTensor], skip: int) -> None:
+def _complete(
+    configured: RepeatedCompositeFieldContainer[ModelInput] | RepeatedCompositeFieldContainer[ModelOutput],
+    graph: list[GraphTensor],
+    skip: int,
+) -> None:
     by_name = {t.name: t for t in configured}
     for tensor in graph:
         entry = by_name.get(tensor.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from geserve.compiler import CompileOptions, CompilerError
 from geserve.compiler.package import is_package, load_key, read_manifest, read_package
@@ -45,7 +46,7 @@ def compile_on_load(config: ModelConfig, source_path: Path, model_dir: Path) -> 
     from geserve.compiler.options import parse_input_shapes, parse_int_list
 
     values = {key: config.parameters[key].string_value for key in COMPILE_PARAMETERS if key in config.parameters}
-    fields: dict[str, object] = {}
+    fields: dict[str, Any] = {}  # CompileOptions keyword arguments, of several types
     try:
         for key, value in values.items():
             name = COMPILE_PARAMETERS[key]

@@ -7,6 +7,7 @@ entries, and anything else is rejected with the list of accepted names.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from geserve.config import ModelConfig
@@ -82,7 +83,7 @@ def _set_execution_mode(options: GeOptions, key: str, value: str) -> None:
     options.sequential_execution = mode in ("0", "sequential")
 
 
-_SETTERS = {
+_SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
     "EXECUTOR_TYPE": _set_executor_type,
     "DEVICE_ID": lambda o, k, v: o.device_ids.__setitem__(slice(None), [_as_int(k, v)]),
     "device_ids": lambda o, k, v: o.device_ids.__setitem__(slice(None), _as_int_list(k, v)),

@@ -277,7 +277,7 @@ class InferenceRequest:
         self._start_stream(lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
         return _async_drain(items)
 
-    def _start_stream(self, emit: Callable[[StreamResponse], None]) -> None:
+    def _start_stream(self, emit: Callable[[StreamResponse], object]) -> None:
         try:
             runtime.stream(self._to_core(), emit)
         except errors.GeserveError as exc:

@@ -51,7 +51,7 @@ def infer(request: InferenceRequest) -> concurrent.futures.Future[InferenceRespo
     return asyncio.run_coroutine_threadsafe(host.infer(request), loop)
 
 
-def stream(request: InferenceRequest, emit: Callable[[StreamResponse], None]) -> concurrent.futures.Future[None]:
+def stream(request: InferenceRequest, emit: Callable[[StreamResponse], object]) -> concurrent.futures.Future[None]:
     """Each response of `request` (decoupled or not) goes to `emit`, on the host's loop; the last is final."""
     host, loop = _host_and_loop()
 
