@@ -6,13 +6,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from geserve.config import ModelConfig
 from geserve.errors import GeserveError
+from geserve.metrics.custom import CustomMetricStore
 from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse
 from geserve.types.streams import StreamResponse
 
@@ -108,3 +109,22 @@ class Backend(Protocol):
     def create_instances(self, config: ModelConfig, source: ModelSource) -> Sequence[ModelInstance]:
         """Load the model and build one instance per execution context of its instance groups."""
         ...
+
+
+# Builds a backend from its `--backend-config` settings, the server's data plane and the custom metric store.
+BackendFactory = Callable[[BackendSettings, InferenceHost, CustomMetricStore], Backend]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendKind:
+    """How a backend package declares itself to the registry: the config names and files that select it."""
+
+    # The `backend` names it serves; the first also names the `--backend-config` settings they all read.
+    names: tuple[str, ...]
+    create: BackendFactory
+    # platform -> the `backend` a config with only that platform gets ("": none, as Triton prints an ensemble's)
+    platforms: Mapping[str, str] = field(default_factory=dict)
+    # backend -> the `platform` a config with only that backend gets, as Triton fills it in
+    implied_platforms: Mapping[str, str] = field(default_factory=dict)
+    # model file -> (platform, backend) of a config naming neither whose version folder holds that file
+    model_files: Mapping[str, tuple[str, str]] = field(default_factory=dict)

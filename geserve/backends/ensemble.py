@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from geserve.backends.base import BackendSettings, InferenceHost, ModelInstance, ModelSource
+from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelInstance, ModelSource
 from geserve.config import ModelConfig
+from geserve.config.ensemble import ENSEMBLE_PLATFORM
+from geserve.metrics.custom import CustomMetricStore
 
 
 class EnsembleBackend:
@@ -18,3 +20,11 @@ class EnsembleBackend:
 
     def create_instances(self, config: ModelConfig, source: ModelSource) -> list[ModelInstance]:
         return []
+
+
+def _create(settings: BackendSettings, host: InferenceHost, custom_metrics: CustomMetricStore) -> EnsembleBackend:
+    return EnsembleBackend(settings, host)
+
+
+# An ensemble keeps its `backend` empty, as Triton prints it.
+BACKEND_KIND = BackendKind(names=("ensemble",), create=_create, platforms={ENSEMBLE_PLATFORM: ""})

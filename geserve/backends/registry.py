@@ -1,30 +1,23 @@
-"""Maps a config's `platform` / `backend` to the backend that serves it, and fills the implied name."""
+"""The backends this server provides, each declared by its own package (a BackendKind): maps a config's `platform`
+/ `backend` (or its model file) to the backend that serves it, and creates each backend once. A new backend
+declares its BackendKind in its package and gets one line in BACKEND_KINDS."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from geserve.backends.base import Backend, BackendSettings, InferenceHost
-from geserve.backends.ensemble import EnsembleBackend
-from geserve.backends.ge import GeBackend
-from geserve.backends.python import PythonBackend
+from geserve.backends import ensemble, ge, python
+from geserve.backends.base import Backend, BackendKind, BackendSettings, InferenceHost
 from geserve.config import ModelConfig
-from geserve.config.ensemble import ENSEMBLE_PLATFORM
 from geserve.errors import InvalidArgumentError
 from geserve.metrics.custom import CustomMetricStore
 
-# backend name -> factory(settings, host, custom metrics); every GE dialect also reads `--backend-config=ge,...`
-_BACKENDS: dict[str, Callable[[BackendSettings, InferenceHost, CustomMetricStore], Backend]] = {
-    "ge": lambda settings, _host, _metrics: GeBackend(settings),
-    "npu_ge": lambda settings, _host, _metrics: GeBackend(settings),
-    "onnxruntime": lambda settings, _host, _metrics: GeBackend(settings),
-    "ensemble": lambda settings, host, _metrics: EnsembleBackend(settings, host),
-    "python": PythonBackend,
-}
-# platform -> backend, as Triton pairs them; an ensemble keeps its `backend` empty, as Triton prints it
-_PLATFORMS = {"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime", ENSEMBLE_PLATFORM: "ensemble"}
-_DETECTABLE = {"model.onnx": ("onnxruntime_onnx", "onnxruntime"), "model.py": ("", "python")}
+BACKEND_KINDS: tuple[BackendKind, ...] = (ge.BACKEND_KIND, python.BACKEND_KIND, ensemble.BACKEND_KIND)
+
+# The kinds indexed by what selects them; tests/test_backend_registry.py checks that no two kinds claim one name.
+_BY_NAME = {name: kind for kind in BACKEND_KINDS for name in kind.names}
+_BY_PLATFORM = {platform: kind for kind in BACKEND_KINDS for platform in kind.platforms}
+_MODEL_FILES = {file: selected for kind in BACKEND_KINDS for file, selected in kind.model_files.items()}
 
 
 class BackendRegistry:
@@ -51,39 +44,41 @@ class BackendRegistry:
         """Triton derives the backend from the platform (and the platform from the model file) when absent."""
         if not config.platform and not config.backend:
             for version_dir in sorted(p for p in model_dir.iterdir() if p.name.isdigit()):
-                for filename, (platform, backend) in _DETECTABLE.items():
+                for filename, (platform, backend) in _MODEL_FILES.items():
                     named = config.default_model_filename  # a named file counts for the kind its suffix says
                     if named and Path(named).suffix != Path(filename).suffix:
                         continue
                     if (version_dir / (named or filename)).exists():
                         config.platform, config.backend = platform, backend
                         return
-        if config.platform == ENSEMBLE_PLATFORM:
-            return
         if config.platform and not config.backend:
-            backend = _PLATFORMS.get(config.platform)
-            if backend is None:
+            kind = _BY_PLATFORM.get(config.platform)
+            if kind is None:
                 raise InvalidArgumentError(
                     f"unexpected platform type '{config.platform}' for {config.name}; "
-                    f"supported: {', '.join(sorted(_PLATFORMS))}"
+                    f"supported: {', '.join(sorted(_BY_PLATFORM))}"
                 )
-            config.backend = backend
-        if config.backend == "onnxruntime" and not config.platform:
-            config.platform = "onnxruntime_onnx"
+            config.backend = kind.platforms[config.platform]
+        if config.backend and not config.platform:
+            named_kind = _BY_NAME.get(config.backend)
+            if named_kind is not None:
+                config.platform = named_kind.implied_platforms.get(config.backend, "")
 
     def backend_for(self, config: ModelConfig) -> Backend:
-        name = config.backend or (ENSEMBLE_PLATFORM if config.platform == ENSEMBLE_PLATFORM else "")
+        name = config.backend
+        if not name and config.platform in _BY_PLATFORM:  # an ensemble: its platform alone names its backend
+            name = _BY_PLATFORM[config.platform].names[0]
         if not name:
             raise InvalidArgumentError(
                 f"model '{config.name}' names no 'backend' or 'platform', and none could be detected from its files"
             )
-        factory = _BACKENDS.get(name)
-        if factory is None:
+        kind = _BY_NAME.get(name)
+        if kind is None:
             raise InvalidArgumentError(
                 f"unable to find backend '{name}' for model '{config.name}'; "
-                f"this server provides: {', '.join(sorted(_BACKENDS))}"
+                f"this server provides: {', '.join(sorted(_BY_NAME))}"
             )
         if name not in self._instances:
-            merged = {**self._settings.get("ge", {}), **self._settings.get(name, {})}
-            self._instances[name] = factory(BackendSettings(merged), self.host, self.custom_metrics)
+            merged = {**self._settings.get(kind.names[0], {}), **self._settings.get(name, {})}
+            self._instances[name] = kind.create(BackendSettings(merged), self.host, self.custom_metrics)
         return self._instances[name]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from geserve.config import ModelConfig
 from geserve.errors import GeserveError
 from geserve.scheduling.inflight import InflightTracker
 from geserve.scheduling.pool import InstancePool
+from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse
 
 
@@ -33,3 +35,14 @@ class DirectScheduler:
     async def stop(self) -> None:
         await self._inflight.drain()
         await asyncio.to_thread(self._pool.close)
+
+
+def _serves(config: ModelConfig) -> bool:
+    return True  # the fallback: any model that no other kind serves
+
+
+def _build(parts: SchedulerParts) -> DirectScheduler:
+    return DirectScheduler(parts.instance_pool())
+
+
+SCHEDULER_KIND = SchedulerKind("direct", _serves, _build)

@@ -20,8 +20,9 @@ import numpy as np
 from geserve.config import ModelConfig
 from geserve.errors import GeserveError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
-from geserve.scheduling.pool import InstancePool
-from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy
+from geserve.scheduling.pool import InstancePool, Worker
+from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy, ShapeKey
+from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def _positive_float(name: str, text: str) -> float:
     return value
 
 
-def _shape_key(request: InferenceRequest) -> tuple:
+def _shape_key(request: InferenceRequest) -> ShapeKey:
     """Requests batch together only when every input has the same shape past the batch axis."""
     return tuple(t.shape[1:] for t in request.inputs)
 
@@ -110,7 +111,7 @@ class DynamicBatcher:
         self._arrived = asyncio.Event()
         self._sequence = 0
         self._executing = 0
-        self._dispatches: set[asyncio.Task] = set()
+        self._dispatches: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._next_release = 0  # preserve_ordering: the sequence number whose result goes out next
         self._finished: dict[int, tuple[Pending, InferenceResponse | BaseException]] = {}
@@ -270,7 +271,7 @@ class DynamicBatcher:
 
     # ---- execution -----------------------------------------------------------------------------
 
-    async def _dispatch(self, worker, batch: list[Pending]) -> None:
+    async def _dispatch(self, worker: Worker, batch: list[Pending]) -> None:
         self._executing += len(batch)
         requests = [p.request for p in batch]
         rows = sum(p.rows for p in batch)
@@ -329,3 +330,17 @@ def _resolve(pending: Pending, result: InferenceResponse | BaseException) -> Non
     else:
         pending.future.set_result(result)
 
+
+
+def _serves(config: ModelConfig) -> bool:
+    """`dynamic_batching`, or batch gears (a static-shape graph needs its batches padded to a gear)."""
+    return config.max_batch_size > 0 and (
+        config.WhichOneof("scheduling_choice") == "dynamic_batching" or bool(parse_gears(config))
+    )
+
+
+def _build(parts: SchedulerParts) -> DynamicBatcher:
+    return DynamicBatcher(parts.config.name, BatcherSettings.from_config(parts.config), parts.instance_pool())
+
+
+SCHEDULER_KIND = SchedulerKind("dynamic_batching", _serves, _build)

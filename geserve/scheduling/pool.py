@@ -27,7 +27,7 @@ READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "
 _Job = tuple[list[InferenceRequest], "asyncio.Future[Execution]", asyncio.AbstractEventLoop]
 
 
-class _Worker:
+class Worker:
     """One instance and the thread that runs its batches, one at a time."""
 
     def __init__(self, instance: ModelInstance, pool: InstancePool) -> None:
@@ -65,11 +65,11 @@ class InstancePool:
         if not instances:
             raise InternalError(f"model '{model_name}' has no instances to execute on")
         self._statistics = statistics
-        self._workers = [_Worker(instance, self) for instance in instances]
+        self._workers = [Worker(instance, self) for instance in instances]
         # Instances that check their own readiness (a Python model's `is_ready`); fixed once they are initialized.
         self._readiness_checks: list[Callable[[], bool]] = [i.is_ready for i in instances if i.checks_readiness]
-        self._free: list[_Worker] = list(reversed(self._workers))
-        self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
+        self._free: list[Worker] = list(reversed(self._workers))
+        self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
         self._typical_ns = 0  # moving average of one execution; decides where the next one runs
         self.inline_below_ns = inline_below_us * 1000
 
@@ -81,11 +81,11 @@ class InstancePool:
     def has_free(self) -> bool:
         return bool(self._free)
 
-    async def acquire(self) -> _Worker:
+    async def acquire(self) -> Worker:
         """The first free instance (waiting for one if all are busy); `run` hands it back when done."""
         if self._free:
             return self._free.pop()  # the most recently used instance: its caches are warm
-        waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             return await waiter
@@ -95,7 +95,7 @@ class InstancePool:
             raise
 
     async def run(
-        self, worker: _Worker, requests: list[InferenceRequest], enqueued_ns: list[int], padding_rows: int = 0
+        self, worker: Worker, requests: list[InferenceRequest], enqueued_ns: list[int], padding_rows: int = 0
     ) -> Results:
         """Execute `requests` as one batch on `worker`; the last `padding_rows` rows are gear padding."""
         started = time.monotonic_ns()
@@ -141,11 +141,11 @@ class InstancePool:
             return False
         return all(results)
 
-    def take_free(self) -> _Worker:
+    def take_free(self) -> Worker:
         """A free instance right now (check `has_free` first): no await between the check and the take."""
         return self._free.pop()
 
-    def release(self, worker: _Worker) -> None:
+    def release(self, worker: Worker) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -153,7 +153,7 @@ class InstancePool:
                 return
         self._free.append(worker)
 
-    def _finish(self, worker: _Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException) -> None:
+    def _finish(self, worker: Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException) -> None:
         """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
         self.release(worker)
         if done.done():

@@ -13,6 +13,8 @@ from geserve.errors import UnavailableError
 from geserve.types import InferenceRequest, InferenceResponse
 
 _DELAY = model_config_pb2.ModelQueuePolicy.DELAY
+# Requests batch together only when their keys are equal: each input's shape past the batch axis.
+ShapeKey = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,7 @@ class Pending:
     enqueued_ns: int
     deadline_ns: int  # 0: none
     sequence: int
-    shape_key: tuple = field(default=())
+    shape_key: ShapeKey = field(default=())
     delayed: bool = False  # timed out under a DELAY policy: served after every timely request
 
     @property

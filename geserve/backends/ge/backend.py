@@ -7,15 +7,17 @@ import tempfile
 from pathlib import Path
 
 import onnxruntime as ort
+from tritonclient.grpc import model_config_pb2
 
 from geserve import devices
-from geserve.backends.base import BackendSettings, ModelSource
+from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelSource
 from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_signature
 from geserve.backends.ge.compiled import apply_gears, compile_on_load, find_package, load_graph, wants_compile
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
 from geserve.config import ModelConfig
 from geserve.errors import InvalidArgumentError, UnavailableError
+from geserve.metrics.custom import CustomMetricStore
 from geserve.types.datatypes import BY_CONFIG
 
 logger = logging.getLogger(__name__)
@@ -80,13 +82,27 @@ class GeBackend:
         return instances
 
 
+def _create(settings: BackendSettings, host: InferenceHost, custom_metrics: CustomMetricStore) -> GeBackend:
+    return GeBackend(settings)
+
+
+# Both GE dialects and Triton's onnxruntime name the same backend; all read `--backend-config=ge,...`.
+BACKEND_KIND = BackendKind(
+    names=("ge", "npu_ge", "onnxruntime"),
+    create=_create,
+    platforms={"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime"},
+    implied_platforms={"onnxruntime": "onnxruntime_onnx"},
+    model_files={DEFAULT_MODEL_FILENAME: ("onnxruntime_onnx", "onnxruntime")},
+)
+
+
 def _placements(config: ModelConfig, options: GeOptions) -> list[tuple[str, int, int]]:
     """(instance name, kind, device id) for every execution context of every instance group.
 
     Each context is one pool worker. `instance_exec_blocks` multiplies a group's `count`; `device_exec_blocks`
     instead fixes the group's total on each device, as Ascend sizes executors by device memory, not instances.
     """
-    placements = []
+    placements: list[tuple[str, int, int]] = []
     for group in config.instance_group:
         if group.kind == devices.KIND_GPU:
             device_ids = list(group.gpus) or options.device_ids or [0]
@@ -113,7 +129,14 @@ def _layout(config: ModelConfig, path: Path) -> ModelLayout:
     return ModelLayout(batching, inputs, outputs, tuple(outputs))
 
 
-def _tensor_layout(config, tensor, graph: list[GraphTensor], kind: str, path: Path, batching: bool) -> TensorLayout:
+def _tensor_layout(
+    config: ModelConfig,
+    tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput,
+    graph: list[GraphTensor],
+    kind: str,
+    path: Path,
+    batching: bool,
+) -> TensorLayout:
     by_name = {t.name: t for t in graph}
     found = by_name.get(tensor.name)
     if found is None:

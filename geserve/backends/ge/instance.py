@@ -56,7 +56,7 @@ class GeInstance(ModelInstance):
             return Execution.timed([error] * len(requests), start)
 
     def finalize(self) -> None:
-        self._session = None  # type: ignore[assignment]
+        self._session = None
 
     def _feed(self, name: str, array: np.ndarray, batch: int) -> np.ndarray:
         layout = self._layout.inputs[name]

@@ -11,6 +11,6 @@ from geserve.backends.python import triton_python_backend_utils
 
 sys.modules["triton_python_backend_utils"] = triton_python_backend_utils
 
-from geserve.backends.python.backend import PythonBackend  # noqa: E402 - after the alias model files need
+from geserve.backends.python.backend import BACKEND_KIND, PythonBackend  # noqa: E402 - after the alias models need
 
-__all__ = ["PythonBackend"]
+__all__ = ["BACKEND_KIND", "PythonBackend"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from geserve.backends.base import BackendSettings, InferenceHost, ModelSource
+from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelSource
 from geserve.backends.python import loader, metrics, runtime
 from geserve.backends.python.instance import PythonInstance
 from geserve.backends.python.model_config import ModelConfig as AutoCompleteConfig
@@ -114,3 +114,10 @@ class PythonBackend:
         logger.info("loaded Python model '%s' version %d: %d instance(s)%s", config.name, source.version,
                     len(instances), ", decoupled" if decoupled else "")
         return instances
+
+
+BACKEND_KIND = BackendKind(
+    names=("python",),
+    create=PythonBackend,
+    model_files={DEFAULT_MODEL_FILENAME: ("", "python")},  # Triton leaves a Python model's platform empty
+)

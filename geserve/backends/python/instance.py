@@ -15,7 +15,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from geserve.backends.base import Execution, InferenceHost, ModelInstance
@@ -170,8 +170,10 @@ class PythonInstance(ModelInstance):
         streams: list[ResponseStream] = []
         for request in requests:
             if request.stream is None:
-                error = InternalError(f"model '{request.model_name}' is decoupled: its requests need a response stream")
-                return [error] * len(requests)
+                refused = InternalError(
+                    f"model '{request.model_name}' is decoupled: its requests need a response stream"
+                )
+                return [refused] * len(requests)
             streams.append(request.stream)
             self._streams.add(request.stream)
         wrapped = [
@@ -235,7 +237,7 @@ class PythonInstance(ModelInstance):
         return CoreResponse(request.model_name, request.model_version, outputs, request.id,
                             response._parameters or {})
 
-    def _collector(self, sent: list[tuple[InferenceResponse | None, bool]]):
+    def _collector(self, sent: list[tuple[InferenceResponse | None, bool]]) -> Callable[[], InferenceResponseSender]:
         """Response senders of a model that is not decoupled: what they send is read once execute returns."""
         return lambda: InferenceResponseSender(
             lambda response, final: sent.append((response, final)), lambda: None, lambda: False
@@ -252,7 +254,7 @@ class PythonInstance(ModelInstance):
             )
         return self._to_core(responses[0], request)
 
-    def _stream_sender(self, request: CoreRequest, stream: ResponseStream):
+    def _stream_sender(self, request: CoreRequest, stream: ResponseStream) -> Callable[[], InferenceResponseSender]:
         def deliver(response: InferenceResponse | None, final: bool) -> None:
             if response is None:
                 item = StreamResponse(None, None, final)

@@ -1,0 +1,54 @@
+"""What a scheduler is (the Scheduler protocol) and how a kind of scheduler declares itself: which configs it
+serves and how it is built from a model's parts. The kinds are registered, in order, in scheduling/base.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from geserve.config import ModelConfig
+from geserve.scheduling.ensemble import EnsembleSetup
+from geserve.scheduling.pool import InstancePool
+from geserve.types import InferenceRequest, InferenceResponse
+
+
+class Scheduler(Protocol):
+    async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
+        """Run `request` and return its response; raise GeserveError on failure."""
+        ...
+
+    @property
+    def inflight_count(self) -> int: ...
+
+    async def stop(self) -> None:
+        """Serve or fail what is queued, wait for what is executing, release the instances."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerParts:
+    """What a scheduler is built from: the model's config and, by kind, its instance pool or its ensemble setup."""
+
+    config: ModelConfig
+    pool: InstancePool | None = None
+    ensemble: EnsembleSetup | None = None
+
+    def instance_pool(self) -> InstancePool:
+        if self.pool is None:
+            raise ValueError(f"model '{self.config.name}' has no instance pool to schedule on")
+        return self.pool
+
+    def ensemble_setup(self) -> EnsembleSetup:
+        if self.ensemble is None:
+            raise ValueError(f"ensemble '{self.config.name}' has no ensemble setup to schedule with")
+        return self.ensemble
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerKind:
+    """One kind of scheduler: the configs it serves (the first kind in the registry that serves one wins) and how
+    it is built."""
+
+    name: str
+    serves: Callable[[ModelConfig], bool]
+    build: Callable[[SchedulerParts], Scheduler]
