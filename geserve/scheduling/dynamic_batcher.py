@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geserve.config import ModelConfig
-from geserve.errors import GeserveError, InvalidArgumentError, UnavailableError
+from geserve.errors import InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
-from geserve.scheduling.pool import InstancePool, Worker
+from geserve.scheduling.pool import InstancePool, Worker, execution_failed
 from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy, ShapeKey
 from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
@@ -284,8 +284,7 @@ class DynamicBatcher:
                 padding.batch_size if padding else 0,
             )
         except Exception as exc:
-            error = exc if isinstance(exc, GeserveError) else UnavailableError(f"execution failed: {exc}")
-            results = [error] * len(batch)
+            results = [execution_failed(exc)] * len(batch)
         finally:
             self._executing -= len(batch)
         for pending, result in zip(batch, results, strict=False):

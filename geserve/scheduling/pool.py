@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from geserve.backends.base import Execution, ModelInstance, Results
-from geserve.errors import InternalError
+from geserve.errors import GeserveError, InternalError, UnavailableError
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
+
+logger = logging.getLogger(__name__)
 
 READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
@@ -47,9 +50,19 @@ class Worker:
             del job, requests, future, outcome
 
 
+def execution_failed(exc: Exception) -> GeserveError:
+    """What the requests of a batch whose execution raised fail with: a bug's exception becomes UNAVAILABLE."""
+    return exc if isinstance(exc, GeserveError) else UnavailableError(f"execution failed: {exc}")
+
+
 def _execute(instance: ModelInstance, requests: list[InferenceRequest]) -> Execution | BaseException:
     try:
         return instance.execute(requests)
+    except GeserveError as exc:
+        return exc
+    except Exception as exc:  # instances report failures as results: this is a bug, keep its traceback
+        logger.exception("instance '%s' raised instead of returning errors", instance.name)
+        return execution_failed(exc)
     except BaseException as exc:  # handed to the waiting request, never lost
         return exc
 
