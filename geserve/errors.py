@@ -54,3 +54,7 @@ class InternalError(GeserveError):
 
 class CancelledError(GeserveError):
     code = ErrorCode.CANCELLED
+
+
+class UnknownModelError(NotFoundError):
+    """The model (or version) a call names does not exist: some Triton answers word it as plain text."""

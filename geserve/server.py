@@ -5,22 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
 from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.frontends.base import Frontend
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
-from geserve.frontends.http.server import create_http_server
+from geserve.frontends.http.server import HttpService
 from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.metrics import CustomMetricStore, MetricsConfig
-from geserve.metrics.collector import SERVER_FAMILY_NAMES
+from geserve.metrics.collector import SERVER_FAMILY_NAMES, build_registry
 from geserve.metrics.latency import LatencyRecorder
+from geserve.metrics.system import CpuSampler
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.store import ModelStore
-from geserve.service.dataplane import DataPlane
-from geserve.service.runtime_settings import LogSettings, TraceSettings
+from geserve.service.context import CallPolicy
+from geserve.service.runtime_settings import LogSettings
+from geserve.service.service import InferenceService
 from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.settings import ServerSettings
 
@@ -32,7 +35,9 @@ class StartupError(Exception):
 
 
 class Server:
-    def __init__(self, settings: ServerSettings) -> None:
+    """Builds the layers from settings; `start` loads the initial models and starts the frontends in order."""
+
+    def __init__(self, settings: ServerSettings, policies: Sequence[CallPolicy] = ()) -> None:
         if settings.model_control_mode not in ("none", "explicit"):
             raise StartupError(
                 f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none or explicit"
@@ -55,23 +60,31 @@ class Server:
                 _latency_observer_factory(settings, metrics_config),
             ),
         )
-        self.dataplane = DataPlane(
+        # One shared memory registry and one set of log / trace settings behind every protocol.
+        self.service = InferenceService(
             self.manager,
             explicit_control=settings.model_control_mode == "explicit",
             strict_readiness=settings.strict_readiness,
+            shared_memory=SharedMemoryRegistry(settings.allow_system_shared_memory),
+            log_settings=LogSettings(settings.log_verbose),
+            policies=policies,
         )
-        registry.attach_host(self.dataplane)
-        # One of each for both frontends: a region registered or a setting changed over one shows over the other.
-        self.shared_memory = SharedMemoryRegistry(settings.allow_system_shared_memory)
-        self.log_settings = LogSettings(settings.log_verbose)
-        self.trace_settings = TraceSettings()
-        self._http = None
-        self._grpc: GrpcServer | None = None
-        self.metrics = (
-            _metrics_service(settings, metrics_config, self.manager, self.custom_metrics)
-            if settings.allow_metrics else None
-        )
-        self._stopped = asyncio.Event()
+        registry.attach_host(self.service.host)
+        # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,
+        # so gRPC answers once HTTP says live), then HTTP.
+        self.frontends: list[Frontend] = []
+        if settings.allow_metrics:
+            self.frontends.append(_metrics_service(settings, metrics_config, self.manager, self.custom_metrics))
+        if settings.allow_grpc:
+            self.frontends.append(GrpcServer(self.service, GrpcOptions(
+                settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size)))
+        if settings.allow_http:
+            app = HttpFrontend(self.service, settings.http_max_input_size)
+            self.frontends.append(HttpService(
+                app, settings.http_address, settings.http_port, log_verbose=settings.log_verbose,
+                kind=settings.http_server, max_body_size=settings.http_max_input_size,
+            ))
+        self._started: list[Frontend] = []
 
     async def load_initial_models(self) -> None:
         try:
@@ -94,60 +107,25 @@ class Server:
             raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
 
     async def start(self) -> None:
-        self.dataplane.loop = asyncio.get_running_loop()
+        self.service.loop = asyncio.get_running_loop()
         try:
             await self.load_initial_models()
-            if self.metrics is not None:  # up before HTTP, so /metrics answers once the server is live
-                await self.metrics.start()
-            await self._start_grpc()  # before HTTP (as Triton), so gRPC answers once HTTP says live
-            await self._start_http()
+            for frontend in self.frontends:
+                await frontend.start()
+                self._started.append(frontend)
         except BaseException:
-            if self._grpc is not None:
-                await self._grpc.stop(0)
-            if self.metrics is not None:
-                await self.metrics.stop()
+            await self._stop_frontends()
             raise
 
-    async def _start_grpc(self) -> None:
-        if self.settings.allow_grpc:
-            options = GrpcOptions(self.settings.grpc_address, self.settings.grpc_port,
-                                  self.settings.grpc_infer_allocation_pool_size,
-                                  log_settings=self.log_settings, trace_settings=self.trace_settings)
-            self._grpc = GrpcServer(self.dataplane, self.shared_memory, options)
-            await self._grpc.start()
-
-    async def _start_http(self) -> None:
-        if self.settings.allow_http:
-            app = HttpFrontend(self.dataplane, self.settings.http_max_input_size, self.shared_memory,
-                               self.log_settings, self.trace_settings)
-            self._http = create_http_server(
-                app,
-                self.settings.http_address,
-                self.settings.http_port,
-                self.settings.log_verbose,
-                self.settings.http_server,
-                self.settings.http_max_input_size,
-            )
-            self._http_task = asyncio.create_task(self._http.serve())
-            while not self._http.started:
-                if self._http_task.done():
-                    self._http_task.result()
-                    raise StartupError(f"failed to start the HTTP service on port {self.settings.http_port}")
-                await asyncio.sleep(0.01)
-            logger.info("started HTTPService at %s:%d", self.settings.http_address, self.settings.http_port)
+    async def _stop_frontends(self) -> None:
+        while self._started:
+            await self._started.pop().stop()
 
     async def stop(self) -> None:
-        self.dataplane.accepting = False
-        if self._http is not None:
-            self._http.should_exit = True
-            await self._http_task
-        if self._grpc is not None:
-            await self._grpc.stop()
-        self.shared_memory.close()
-        if self.metrics is not None:
-            await self.metrics.stop()
+        self.service.accepting = False
+        await self._stop_frontends()
+        self.service.shared_memory.close()
         await self.manager.shutdown()
-        self._stopped.set()
 
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
@@ -177,7 +155,10 @@ def _latency_observer_factory(settings: ServerSettings, config: MetricsConfig) -
 def _metrics_service(
     settings: ServerSettings, config: MetricsConfig, manager: ModelManager, custom: CustomMetricStore
 ) -> MetricsService:
+    cpu = CpuSampler() if settings.allow_cpu_metrics else None
+    if cpu is not None and not cpu.available:
+        logger.warning("CPU metrics are unavailable on this platform (no /proc)")
+        cpu = None
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
-    options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms,
-                             settings.allow_cpu_metrics, config)
-    return MetricsService(manager, options, custom)
+    options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms)
+    return MetricsService(build_registry(manager, config, cpu, custom), options, cpu)

@@ -46,6 +46,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 
+# Frontends reach the models only through the service: below it they may import the leaves only.
+THROUGH_THE_SERVICE = ("geserve.frontends",)
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -99,6 +103,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_follow_the_layer_order() -> None:
+    service, leaves = layer_of("geserve.service"), len(LAYERS) - 1
     violations = []
     for module, imported in import_graph().items():
         for target, line in imported:
@@ -109,6 +114,8 @@ def test_imports_follow_the_layer_order() -> None:
                     f"{module}:{line} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)}), "
                     f"a layer above it"
                 )
+            elif module.startswith(THROUGH_THE_SERVICE) and service < layer_of(target) < leaves:
+                violations.append(f"{module}:{line} imports {target}, past the service")
     assert not violations, "imports against the layer order:\n  " + "\n  ".join(violations)
 
 

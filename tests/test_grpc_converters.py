@@ -67,13 +67,13 @@ def test_raw_inputs_are_views_and_outputs_raw(registry: SharedMemoryRegistry) ->
     message.outputs.add(name="OUT").parameters["classification"].int64_param = 2
     decoded = convert.from_model_infer_request(message, registry)
     tensor = decoded.request.inputs[0]
-    assert decoded.deferred is None and tensor.shape == (2, 3) and not tensor.data.flags.owndata
+    assert decoded.request.late_fault is None and tensor.shape == (2, 3) and not tensor.data.flags.owndata
     np.testing.assert_array_equal(tensor.data, a.reshape(2, 3))
     assert decoded.request.outputs[0].classification == 2
     words = np.array([b"a", b"bc"], dtype=object)
     response = InferenceResponse("m", "1", [OutputTensor("OUT", "BYTES", (2,), words), OutputTensor(
         "F", "FP32", (2, 3), a.reshape(2, 3))])
-    encoded = convert.to_model_infer_response(response, decoded, registry)
+    encoded = convert.to_model_infer_response(response, decoded.request)
     assert encoded.id == "x" and list(encoded.outputs[1].shape) == [2, 3]
     assert encoded.raw_output_contents[0] == b"\x01\x00\x00\x00a\x02\x00\x00\x00bc"
     assert encoded.raw_output_contents[1] == a.tobytes()
@@ -86,11 +86,11 @@ def test_typed_contents_and_deferred_faults(registry: SharedMemoryRegistry) -> N
     decoded = convert.from_model_infer_request(message, registry)
     assert decoded.request.inputs[0].data.dtype == np.int8
     tensor.contents.int_contents.append(4)
-    fault = convert.from_model_infer_request(message, registry).deferred
+    fault = convert.from_model_infer_request(message, registry).request.late_fault
     assert fault is not None and "Expected 3, got 4" in fault.message
     strings = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\x05\x00\x00\x00ab"])
     strings.inputs.add(name="S", datatype="BYTES", shape=[1])
-    fault = convert.from_model_infer_request(strings, registry).deferred
+    fault = convert.from_model_infer_request(strings, registry).request.late_fault
     assert fault is not None and "expecting string of length 5 but only 2 bytes available" in fault.message
 
 

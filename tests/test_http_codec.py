@@ -25,7 +25,7 @@ def test_binary_inputs_are_views_of_the_body_not_copies() -> None:
                     {"name": "b", "shape": [1], "datatype": "INT64", "data": [7]}]},
         a.tobytes(),
     )
-    request = decode_infer_request(body, length, "m", "", None)
+    request = decode_infer_request(body, length, "m", "")
     tensor = request.inputs[0]
     assert tensor.shape == (2, 4) and np.shares_memory(tensor.data, np.frombuffer(body, np.uint8))
     np.testing.assert_array_equal(tensor.data.reshape(-1), a)
@@ -39,7 +39,7 @@ def test_bytes_tensors_use_length_prefixes() -> None:
         {"inputs": [{"name": "s", "shape": [3], "datatype": "BYTES", "parameters": {"binary_data_size": len(raw)}}]},
         raw,
     )
-    tensor = decode_infer_request(body, length, "m", "", None).inputs[0]
+    tensor = decode_infer_request(body, length, "m", "").inputs[0]
     assert tensor.data.tolist() == items
     assert tensor_bytes(OutputTensor("s", "BYTES", (3,), tensor.data)) == raw
 
@@ -59,16 +59,15 @@ def test_bytes_tensors_use_length_prefixes() -> None:
          struct.pack("<I", 1) + b"x"),
         ({"inputs": [{"name": "a", "shape": [1], "datatype": "UINT8", "data": [300]}]}, b""),
         ({"inputs": []}, b"extra"),
-        ({"inputs": [], "parameters": {"triton_enable_empty_final_response": True}}, b""),
         ({"no_inputs": []}, b""),
     ],
     ids=["short-binary", "unclaimed-bytes", "data-count", "data-type", "bad-datatype", "negative-dim",
-         "bytes-overrun", "out-of-range", "trailing-binary", "triton-parameter", "no-inputs"],
+         "bytes-overrun", "out-of-range", "trailing-binary", "no-inputs"],
 )
 def test_malformed_requests_are_invalid_argument(header: dict, binary: bytes) -> None:
     body, length = _body(header, binary)
     with pytest.raises(InvalidArgumentError):
-        decode_infer_request(body, length, "m", "", None)
+        decode_infer_request(body, length, "m", "")
 
 
 @pytest.mark.parametrize(("count", "raw", "message"), [
@@ -82,20 +81,20 @@ def test_bytes_framing_errors_name_the_element(count: int, raw: bytes, message: 
                           "parameters": {"binary_data_size": len(raw)}}]}
     body, length = _body(header, raw)
     with pytest.raises(InvalidArgumentError) as caught:
-        decode_infer_request(body, length, "m", "", None)
+        decode_infer_request(body, length, "m", "")
     assert caught.value.message == message
 
 
 def test_malformed_json_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgumentError, match="failed to parse"):
-        decode_infer_request(b'{"inputs": [', None, "m", "", None)
+        decode_infer_request(b'{"inputs": [', None, "m", "")
 
 
 def test_response_binary_and_json_outputs() -> None:
     request = decode_infer_request(
         json.dumps({"id": "7", "inputs": [], "outputs": [{"name": "x", "parameters": {"binary_data": True}},
                                                           {"name": "y"}]}).encode(),
-        None, "m", "", None,
+        None, "m", "",
     )
     x = np.arange(3, dtype=np.int32)
     y = np.array([0.5, 1.5], dtype=np.float16)
@@ -112,7 +111,7 @@ def test_response_binary_and_json_outputs() -> None:
 
 def test_binary_data_output_parameter_makes_every_output_binary() -> None:
     request = decode_infer_request(
-        json.dumps({"inputs": [], "parameters": {"binary_data_output": True}}).encode(), None, "m", "", None
+        json.dumps({"inputs": [], "parameters": {"binary_data_output": True}}).encode(), None, "m", ""
     )
     response = InferenceResponse("m", "1", [OutputTensor("x", "BOOL", (2,), np.array([True, False]))])
     parts, length = encode_infer_response(response, request)

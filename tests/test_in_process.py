@@ -16,18 +16,18 @@ def test_in_process_inference_and_shutdown(good_repo: Path) -> None:
         server = Server(ServerSettings(model_repositories=[good_repo], allow_http=False, allow_grpc=False,
                                        allow_metrics=False))
         await server.start()
-        assert server.dataplane.ready()
+        assert server.service.ready()
         a = np.arange(32, dtype=np.int32).reshape(2, 16)
         request = InferenceRequest(
             "simple", "", [InputTensor("INPUT1", "INT32", a.shape, a), InputTensor("INPUT0", "INT32", a.shape, a)],
             outputs=[RequestedOutput("OUTPUT1")],
         )
-        response = await server.dataplane.infer(request)
+        response = await server.service.infer(request)
         assert [o.name for o in response.outputs] == ["OUTPUT1"] and response.model_version == "1"
         np.testing.assert_array_equal(response.outputs[0].data, np.zeros_like(a))
         with pytest.raises(GeserveError, match="unknown model"):
-            await server.dataplane.infer(InferenceRequest("nope", "", []))
+            await server.service.infer(InferenceRequest("nope", "", []))
         await server.stop()
-        assert not server.dataplane.ready()
+        assert not server.service.ready()
 
     asyncio.run(run())

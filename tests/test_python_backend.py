@@ -232,13 +232,13 @@ def test_in_process_stream_bls_and_finalize(repo: Path, caplog: pytest.LogCaptur
         try:
             values = np.array([3, 1, 4], np.int32)
             request = InferenceRequest("repeat", "", [InputTensor("IN", "INT32", values.shape, values)])
-            items = [item async for item in server.dataplane.infer_stream(request)]
+            items = [item async for item in server.service.infer_stream(request)]
             assert [i.response.outputs[0].data.tolist() for i in items[:3]] == [[3], [1], [4]]
             assert [i.final for i in items] == [False, False, False, True] and items[3].response is None
             a = np.arange(4, dtype=np.float32)
             request = InferenceRequest("add_sub", "", [InputTensor("INPUT0", "FP32", (4,), a),
                                                        InputTensor("INPUT1", "FP32", (4,), a)])
-            (item,) = [item async for item in server.dataplane.infer_stream(request)]  # not decoupled: one, final
+            (item,) = [item async for item in server.service.infer_stream(request)]  # not decoupled: one, final
             assert item.final and item.response.outputs[0].data.tolist() == [0, 2, 4, 6]
         finally:
             await server.stop()
@@ -246,6 +246,34 @@ def test_in_process_stream_bls_and_finalize(repo: Path, caplog: pytest.LogCaptur
     with caplog.at_level("INFO", logger="geserve.python_model"):
         asyncio.run(run())
     assert "add_sub finalized" in caplog.text
+
+
+def test_streamed_failures_count_under_their_reason(repo: Path) -> None:
+    """A decoupled request that fails is counted under its error's reason (it used to be OTHER, whatever failed),
+    and one whose reader leaves before the final response under CANCELED."""
+
+    async def run() -> None:
+        server = Server(ServerSettings(model_repositories=[repo], allow_http=False, allow_grpc=False,
+                                       allow_metrics=False, model_control_mode="explicit", load_models=["repeat"]))
+        await server.start()
+        try:
+            def request(*values: int) -> InferenceRequest:
+                data = np.array(values, np.int32)
+                return InferenceRequest("repeat", "", [InputTensor("IN", "INT32", data.shape, data)])
+
+            items = [item async for item in server.service.infer_stream(request(-2))]  # execute() raises
+            assert items[-1].final and items[-1].error is not None
+            statistics = server.manager.get("repeat").statistics
+            assert statistics.failures_by_reason() == {"REJECTED": 0, "CANCELED": 0, "BACKEND": 1, "OTHER": 0}
+            stream = server.service.infer_stream(request(1, 2, 3))
+            async for _ in stream:
+                break  # the client goes away after the first response
+            await stream.aclose()
+            assert statistics.failures_by_reason() == {"REJECTED": 0, "CANCELED": 1, "BACKEND": 1, "OTHER": 0}
+        finally:
+            await server.stop()
+
+    asyncio.run(run())
 
 
 # ---- the pb_utils API, without a server ------------------------------------------------------------------

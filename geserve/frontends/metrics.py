@@ -6,16 +6,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
 from geserve.frontends.http.native_server import NativeHttpServer
-from geserve.metrics import CONTENT_TYPE, CustomMetricStore, MetricsConfig, render
-from geserve.metrics.collector import build_registry
+from geserve.metrics import CONTENT_TYPE, render
 from geserve.metrics.system import CpuSampler
-from geserve.repository.lifecycle import ModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +51,19 @@ class MetricsOptions:
     address: str = "0.0.0.0"
     port: int = 8002
     interval_ms: float = 2000.0
-    allow_cpu: bool = True
-    config: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 class MetricsService:
-    """The registry, the CPU sampler on its interval, and the endpoint; started and stopped with the server."""
+    """The endpoint over the server's registry, and the CPU sampler on its interval; a frontend of the server.
 
-    def __init__(
-        self, manager: ModelManager, options: MetricsOptions, custom: CustomMetricStore | None = None
-    ) -> None:
+    The registry (geserve.metrics.collector) reads the models at scrape time; `cpu` is the sampler it reads."""
+
+    name = "metrics"
+
+    def __init__(self, registry: CollectorRegistry, options: MetricsOptions, cpu: CpuSampler | None = None) -> None:
         self.options = options
-        self._manager = manager
-        self._cpu = CpuSampler() if options.allow_cpu else None
-        if self._cpu is not None and not self._cpu.available:
-            logger.warning("CPU metrics are unavailable on this platform (no /proc)")
-            self._cpu = None
-        self.registry = build_registry(manager, options.config, self._cpu, custom)
+        self._cpu = cpu
+        self.registry = registry
         self._http: NativeHttpServer | None = None
         self._http_task: asyncio.Task | None = None
         self._sampler: asyncio.Task | None = None

@@ -28,6 +28,10 @@ DISABLED = (
 )
 
 
+class OutputPlacementError(InternalError):
+    """An output does not fit the shared memory the request gave it (Triton: found after inference, 500)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RegionStatus:
     name: str

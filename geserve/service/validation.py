@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from geserve.errors import InvalidArgumentError
 from geserve.repository.model import LoadedModel
-from geserve.types import InferenceRequest, InputTensor
+from geserve.types import InferenceRequest, InputTensor, id_prefix
 
 
 def _prefix(request: InferenceRequest) -> str:
-    return f"[request id: {request.id or '<id_unknown>'}] "
+    return id_prefix(request.id)
 
 
 def _shape_text(shape) -> str:

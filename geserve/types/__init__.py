@@ -1,15 +1,8 @@
 """Core value types shared by every layer: datatypes, tensors, requests and responses."""
 
 from geserve.types.datatypes import BY_CONFIG, BY_WIRE, DataType, from_numpy
-from geserve.types.tensors import (
-    ComputeTimes,
-    InferenceRequest,
-    InferenceResponse,
-    InputTensor,
-    OutputTensor,
-    RequestedOutput,
-    Tensor,
-)
+from geserve.types.requests import ComputeTimes, InferenceRequest, id_prefix
+from geserve.types.tensors import InferenceResponse, InputTensor, OutputTensor, RequestedOutput, ShmLocation, Tensor
 
 __all__ = [
     "BY_CONFIG",
@@ -21,6 +14,8 @@ __all__ = [
     "InputTensor",
     "OutputTensor",
     "RequestedOutput",
+    "ShmLocation",
     "Tensor",
     "from_numpy",
+    "id_prefix",
 ]

@@ -1,14 +1,11 @@
-"""Protocol-neutral request and response types that travel from a frontend to a backend and back."""
+"""Protocol-neutral tensors and responses that travel from a backend back to a frontend."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from geserve.types.streams import ResponseStream
 
 
 @dataclass(slots=True)
@@ -27,50 +24,25 @@ InputTensor = Tensor
 OutputTensor = Tensor
 
 
+class ShmLocation(NamedTuple):
+    """Where a tensor lives in a registered system shared memory region."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
 @dataclass(slots=True)
 class RequestedOutput:
     name: str
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Set when the client placed this output in shared memory: the service writes it there, and the frontend
+    # answers it without data.
+    shm: ShmLocation | None = None
 
     @property
     def classification(self) -> int:
         return int(self.parameters.get("classification", 0) or 0)
-
-
-@dataclass(slots=True)
-class ComputeTimes:
-    """Compute time of executions, in Triton's three phases (ns)."""
-
-    input_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
-
-    def add(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
-        self.input_ns += input_ns
-        self.infer_ns += infer_ns
-        self.output_ns += output_ns
-
-    def add_times(self, other: ComputeTimes) -> None:
-        self.add(other.input_ns, other.infer_ns, other.output_ns)
-
-
-@dataclass(slots=True)
-class InferenceRequest:
-    model_name: str
-    model_version: str  # "" picks the model's latest ready version
-    inputs: list[InputTensor]
-    outputs: list[RequestedOutput] | None = None  # None: every output of the model
-    id: str = ""
-    parameters: dict[str, Any] = field(default_factory=dict)
-    priority: int = 0
-    timeout_us: int = 0
-    # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
-    batch_size: int = 1
-    # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the
-    # ensemble reports the compute of its steps, as Triton's does.
-    compute: ComputeTimes | None = None
-    # Set by the service for a decoupled model: where the backend sends each response as the model produces it.
-    stream: ResponseStream | None = None
 
 
 @dataclass(slots=True)

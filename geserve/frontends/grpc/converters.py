@@ -3,7 +3,7 @@
 The infer path is written by hand: each raw input becomes a numpy view of the request's bytes (`np.frombuffer`),
 parameters are converted only when a message carries any, and faults carry Triton's gRPC messages. Faults Triton
 finds in its core rather than its frontend (a byte size or string count that does not match the shape) come back
-*deferred*, so the caller can first run the core's checks and report faults in Triton's order.
+as the request's `late_fault`, so the service reports them after the core's checks, in Triton's order.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 
 from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.service.parameters import EMPTY_FINAL_RESPONSE
 from geserve.service.shared_memory import RegionStatus, SharedMemoryRegistry
-from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from geserve.types import (
+    BY_WIRE,
+    InferenceRequest,
+    InferenceResponse,
+    InputTensor,
+    RequestedOutput,
+    ShmLocation,
+    id_prefix,
+)
 from geserve.types.wire import FramingError, split_bytes, tensor_bytes
 
 INVALID_DATATYPE = "<invalid>"  # what Triton's core calls a datatype it does not know
@@ -33,7 +42,6 @@ _FIELDS = {
     "uint_contents": ("UINT32", np.uint32), "uint64_contents": ("UINT64", np.uint64),
     "fp32_contents": ("FP32", np.float32), "fp64_contents": ("FP64", np.float64), "bytes_contents": ("BYTES", None),
 }
-_ALLOWED_TRITON_KEYS = ("triton_enable_empty_final_response",)
 _PASS_THROUGH_KINDS = ("int64_param", "bool_param", "string_param", "double_param")  # what Triton passes on
 _VERSION_ERROR = (
     "failed to get model version from specified version string '{}' (details: stol), "
@@ -81,21 +89,16 @@ def from_version(version: str) -> str:
 
 # ---- inference requests ----------------------------------------------------------------------------
 
-Location = tuple[str, int, int]  # shared memory region, offset, byte size
-
-
 @dataclass(slots=True)
 class DecodedRequest:
     request: InferenceRequest
-    deferred: GeserveError | None = None  # a fault Triton's core finds: raise it once the core's checks pass
-    output_regions: dict[str, Location] | None = None  # outputs to write into shared memory
     # `triton_enable_empty_final_response`: a decoupled model's final flag sent alone reaches the client as an
     # empty response (else it is not sent at all, as in Triton)
     empty_final: bool = False
 
 
 def _prefix(request: InferenceRequest) -> str:
-    return f"[request id: {request.id or '<id_unknown>'}] "
+    return id_prefix(request.id)
 
 
 def from_model_infer_request(message: pb.ModelInferRequest, shm: SharedMemoryRegistry) -> DecodedRequest:
@@ -134,53 +137,40 @@ def from_model_infer_request(message: pb.ModelInferRequest, shm: SharedMemoryReg
         data, fault = _decode(request, name, datatype.wire, shape, buffer, typed)
         deferred = deferred or fault
         inputs.append(InputTensor(name, datatype.wire, shape, data, parameters))
-    decoded.deferred = deferred
+    request.late_fault = deferred
     if len(message.outputs):
         outputs: dict[str, RequestedOutput] = {}  # an output asked twice is answered once (Triton)
         for output in message.outputs:
             if output.name not in outputs:
-                outputs[output.name] = _from_requested_output(output, shm, decoded)
+                outputs[output.name] = _from_requested_output(output)
         request.outputs = list(outputs.values())
     return decoded
 
 
 def _apply_request_parameters(request: InferenceRequest, parameters: Any) -> bool:
-    """Set the request's priority, timeout and parameters; True when it enables empty final responses."""
+    """The request's parameters, each checked for the wire field Triton wants it in (the service applies their
+    rules); True when they enable empty final responses."""
     values: dict[str, Any] = {}
-    empty_final = False
     for key, parameter in parameters.items():
         kind = parameter.WhichOneof("parameter_choice")
-        value = getattr(parameter, kind) if kind else None
         if key == "priority":
             if kind not in ("int64_param", "uint64_param"):
                 raise InvalidArgumentError(
                     "invalid value type for 'priority' parameter, expected int64_param or uint64_param."
                 )
-            if value < 0:
-                raise InvalidArgumentError("invalid value for 'priority', expected value >= 0.")
-            request.priority = value
         elif key == "timeout":
             if kind != "int64_param":
                 raise InvalidArgumentError("invalid value type for 'timeout' parameter, expected int64_param.")
-            request.timeout_us = max(value, 0)
-        elif key.startswith("triton_"):
-            if key not in _ALLOWED_TRITON_KEYS:
-                raise InvalidArgumentError(
-                    "parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
-                    f"starting with 'triton_' are allowed: {', '.join(_ALLOWED_TRITON_KEYS)}"
-                )
-            empty_final = bool(value)
-            continue
-        elif kind not in _PASS_THROUGH_KINDS:
+        elif not key.startswith("triton_") and kind not in _PASS_THROUGH_KINDS:
             raise InvalidArgumentError(
                 f"invalid value type for '{key}' parameter, expected int64_param, bool_param, or string_param."
             )
-        values[key] = value
+        values[key] = getattr(parameter, kind) if kind else None
     request.parameters = values
-    return empty_final
+    return bool(values.get(EMPTY_FINAL_RESPONSE))
 
 
-def _shm_location(parameters: Any, tensor: str) -> Location | None:
+def _shm_location(parameters: Any, tensor: str) -> ShmLocation | None:
     """(region, offset, byte_size) when the tensor lives in a shared memory region."""
     if "shared_memory_region" not in parameters:
         return None
@@ -193,7 +183,7 @@ def _shm_location(parameters: Any, tensor: str) -> Location | None:
     size = _typed(parameters, "shared_memory_byte_size", "int64_param", tensor)
     offset = _typed(parameters, "shared_memory_offset", "int64_param", tensor) if (
         "shared_memory_offset" in parameters) else 0
-    return region, offset, size
+    return ShmLocation(region, offset, size)
 
 
 def _typed(parameters: Any, key: str, kind: str, tensor: str) -> Any:
@@ -279,7 +269,7 @@ def _split_bytes(
         )
 
 
-def _from_requested_output(output: Any, shm: SharedMemoryRegistry, decoded: DecodedRequest) -> RequestedOutput:
+def _from_requested_output(output: Any) -> RequestedOutput:
     if not len(output.parameters):
         return RequestedOutput(output.name)
     parameters = from_infer_parameters(output.parameters)
@@ -288,31 +278,25 @@ def _from_requested_output(output: Any, shm: SharedMemoryRegistry, decoded: Deco
             raise InvalidArgumentError("invalid value type for 'classification' parameter, expected int64_param")
         if parameters["classification"] <= 0:  # sic: Triton's gRPC frontend refuses 0 too
             raise InvalidArgumentError("invalid value for 'classification' parameter, expected >= 0")
-    location = _shm_location(output.parameters, output.name)
-    if location is not None:
-        shm.read(*location)  # the region must exist and hold the window now, as Triton checks before inference
-        if decoded.output_regions is None:
-            decoded.output_regions = {}
-        decoded.output_regions[output.name] = location
-    return RequestedOutput(output.name, parameters)
+    return RequestedOutput(output.name, parameters, _shm_location(output.parameters, output.name))
 
 
 # ---- inference responses ---------------------------------------------------------------------------
 
 
 def to_model_infer_response(
-    response: InferenceResponse, decoded: DecodedRequest, shm: SharedMemoryRegistry,
-    target: pb.ModelInferResponse | None = None,
+    response: InferenceResponse, request: InferenceRequest, target: pb.ModelInferResponse | None = None
 ) -> pb.ModelInferResponse:
-    """Every output in `raw_output_contents` (an empty entry for one written to shared memory, as Triton)."""
+    """Every output in `raw_output_contents` (an empty entry for one the service wrote to shared memory, as
+    Triton answers it)."""
     message = pb.ModelInferResponse() if target is None else target
     message.model_name = response.model_name
     message.model_version = response.model_version
-    if decoded.request.id:
-        message.id = decoded.request.id
+    if request.id:
+        message.id = request.id
     if response.parameters:
         to_infer_parameters(response.parameters, message.parameters)
-    placements = decoded.output_regions
+    placed = {o.name for o in request.outputs if o.shm is not None} if request.outputs else None
     raw = message.raw_output_contents
     outputs = message.outputs
     for output in response.outputs:
@@ -322,10 +306,7 @@ def to_model_infer_response(
         entry.shape.extend(output.shape)
         if output.parameters:
             to_infer_parameters(output.parameters, entry.parameters)
-        location = placements.get(output.name) if placements else None
-        if location is not None:
-            region, offset, size = location
-            shm.write(region, offset, size, output.name, tensor_bytes(output))
+        if placed and output.name in placed:
             raw.append(b"")
         else:
             raw.append(tensor_bytes(output, copy=True))  # type: ignore[arg-type]
@@ -333,11 +314,11 @@ def to_model_infer_response(
 
 
 def to_stream_response(
-    response: InferenceResponse, decoded: DecodedRequest, shm: SharedMemoryRegistry, final: bool = True
+    response: InferenceResponse, request: InferenceRequest, final: bool = True
 ) -> pb.ModelStreamInferResponse:
     """Triton flags each streamed response: `triton_final_response` true on the last one of its request."""
     message = pb.ModelStreamInferResponse()
-    to_model_infer_response(response, decoded, shm, message.infer_response)
+    to_model_infer_response(response, request, message.infer_response)
     message.infer_response.parameters["triton_final_response"].bool_param = final
     return message
 
@@ -380,20 +361,9 @@ def to_repository_index_response(entries: list[dict[str, str]]) -> pb.Repository
     )
 
 
-def from_repository_model_load_request(message: pb.RepositoryModelLoadRequest) -> tuple[str, str | None]:
-    """The model's name and its config override (JSON text), if any; model files in the request are refused."""
-    config: str | None = None
-    if "config" in message.parameters:
-        parameter = message.parameters["config"]
-        if parameter.WhichOneof("parameter_choice") != "string_param":
-            raise InvalidArgumentError("the 'config' parameter of a load request must be a JSON string")
-        config = parameter.string_param
-    files = sorted(k for k in message.parameters if k.startswith("file:"))
-    if files:
-        raise InvalidArgumentError(
-            f"load request carries model files {files}; geserve loads model files from the repository only"
-        )
-    return message.model_name, config
+def from_repository_model_load_request(message: pb.RepositoryModelLoadRequest) -> tuple[str, dict[str, Any]]:
+    """The model's name and the load's parameters (the service checks `config` and refuses `file:` ones)."""
+    return message.model_name, {key: from_parameter(value) for key, value in message.parameters.items()}
 
 
 def to_system_shared_memory_status_response(regions: list[RegionStatus]) -> pb.SystemSharedMemoryStatusResponse:

@@ -1,28 +1,26 @@
-"""The gRPC frontend: a grpc.aio server on the event loop whose servicer turns each RPC into a data plane call."""
+"""The gRPC frontend: a grpc.aio server on the event loop whose servicer turns each RPC into a service call."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnsupportedError
+from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
-from geserve.repository.model import LoadedModel
-from geserve.service.dataplane import DataPlane
-from geserve.service.runtime_settings import LogSettings, TraceSettings
-from geserve.service.shared_memory import SharedMemoryRegistry
-from geserve.service.validation import prepare
-from geserve.types import InferenceResponse
+from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.service import InferenceService
+from geserve.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +40,6 @@ class GrpcOptions:
     """Accepted for tritonserver compatibility; grpc.aio allocates per call."""
     max_message_size: int = INT32_MAX
     """Largest message sent or received, in bytes (Triton's limit: INT32_MAX)."""
-    log_settings: LogSettings = field(default_factory=LogSettings)
-    trace_settings: TraceSettings = field(default_factory=TraceSettings)
 
 
 def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[Message]]:
@@ -65,70 +61,77 @@ def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[M
     return wrapper
 
 
+def call_context(context: grpc.aio.ServicerContext) -> CallContext:
+    """The service's view of an RPC: peer, metadata (lower-case keys), deadline, cancellation."""
+    remaining = context.time_remaining()
+    return CallContext(
+        Transport.GRPC,
+        context.peer() or "",
+        {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)},
+        deadline=None if remaining is None else time.monotonic() + remaining,
+        is_cancelled=context.cancelled,
+    )
+
+
 class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane, shm: SharedMemoryRegistry, options: GrpcOptions) -> None:
-        self._dataplane = dataplane
-        self._shm = shm
-        self._log = options.log_settings
-        self._trace = options.trace_settings
+    def __init__(self, service: InferenceService) -> None:
+        self._service = service
 
     # ---- health and metadata ------------------------------------------------------------------------
 
     @_rpc
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=self._dataplane.live())
+        return pb.ServerLiveResponse(live=self._service.live(call_context(context)))
 
     @_rpc
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self._dataplane.ready())
+        return pb.ServerReadyResponse(ready=self._service.ready(call_context(context)))
 
     @_rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         version = convert.from_version(request.version)
-        return pb.ModelReadyResponse(ready=await self._dataplane.model_ready(request.name, version))
+        ready = await self._service.model_ready(request.name, version, call_context(context))
+        return pb.ModelReadyResponse(ready=ready)
 
     @_rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        return convert.to_server_metadata_response(self._dataplane.server_metadata())
+        return convert.to_server_metadata_response(self._service.server_metadata(call_context(context)))
 
     @_rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         version = convert.from_version(request.version)
-        return convert.to_model_metadata_response(self._dataplane.model_metadata(request.name, version))
+        metadata = self._service.model_metadata(request.name, version, call_context(context))
+        return convert.to_model_metadata_response(metadata)
 
     @_rpc
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
-        model = self._dataplane.model(request.name, convert.from_version(request.version))
+        version = convert.from_version(request.version)
         response = pb.ModelConfigResponse()
-        response.config.CopyFrom(model.config)
+        response.config.CopyFrom(self._service.model_config(request.name, version, call_context(context)))
         return response
 
     @_rpc
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
         version = convert.from_version(request.version)
-        return convert.to_model_statistics_response(self._dataplane.statistics(request.name, version))
+        statistics = self._service.statistics(request.name, version, call_context(context))
+        return convert.to_model_statistics_response(statistics)
 
     # ---- inference ----------------------------------------------------------------------------------
 
-    def _model(self, message: pb.ModelInferRequest) -> LoadedModel:
-        # The model first, as Triton: an unknown one is NOT_FOUND whatever the request holds.
-        return self._dataplane.model(message.model_name, convert.from_version(message.model_version))
-
-    def _decode(self, model: LoadedModel, message: pb.ModelInferRequest) -> convert.DecodedRequest:
-        decoded = convert.from_model_infer_request(message, self._shm)
-        if decoded.deferred is not None:
-            prepare(model, decoded.request)  # the core's checks come first in Triton's order
-            raise decoded.deferred
-        return decoded
+    def _decode(self, message: pb.ModelInferRequest) -> convert.DecodedRequest:
+        """A fault found while decoding is reported once the model is known (Triton looks it up first)."""
+        try:
+            return convert.from_model_infer_request(message, self._service.shared_memory)
+        except GeserveError as exc:
+            version = message.model_version if message.model_version.isdigit() else ""
+            request = InferenceRequest(message.model_name, version, [], id=message.id, fault=exc)
+            return convert.DecodedRequest(request)
 
     @_rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        model = self._model(request)
-        if model.decoupled:
-            raise UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy")
-        decoded = self._decode(model, request)
-        response = await self._dataplane.infer(decoded.request)
-        return convert.to_model_infer_response(response, decoded, self._shm)
+        decoded = self._decode(request)
+        response = await self._service.infer(decoded.request, call_context(context))
+        return convert.to_model_infer_response(response, decoded.request)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -137,7 +140,8 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         (`error_message`) unless the client sent `triton_grpc_error: true`, which ends the stream instead.
         A decoupled model's responses go out one by one as it sends them, `triton_final_response` true on the
         last; its final flag sent alone becomes an empty response only if the request enabled that."""
-        strict = any(k == STRICT_STREAM_HEADER and v == "true" for k, v in context.invocation_metadata() or ())
+        call = call_context(context)
+        strict = call.headers.get(STRICT_STREAM_HEADER) == "true"
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
@@ -145,21 +149,17 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             queue.put_nowait(error if strict else convert.to_stream_error(error, message.id))
 
         async def answer(message: pb.ModelInferRequest) -> None:
+            decoded = self._decode(message)
+            request = decoded.request
             try:
-                model = self._model(message)
-                decoded = self._decode(model, message)
-                if not model.decoupled:
-                    response = await self._dataplane.infer(decoded.request)
-                    queue.put_nowait(convert.to_stream_response(response, decoded, self._shm))
-                    return
-                async for item in self._dataplane.infer_stream(decoded.request):
+                async for item in self._service.infer_stream(request, call):
                     if item.error is not None:
                         fault(item.error, message)
                     elif item.response is not None:
-                        queue.put_nowait(convert.to_stream_response(item.response, decoded, self._shm, item.final))
+                        queue.put_nowait(convert.to_stream_response(item.response, request, item.final))
                     elif decoded.empty_final:
-                        empty = InferenceResponse(model.name, str(model.version), [], decoded.request.id)
-                        queue.put_nowait(convert.to_stream_response(empty, decoded, self._shm))
+                        empty = InferenceResponse(request.model_name, request.model_version, [], request.id)
+                        queue.put_nowait(convert.to_stream_response(empty, request))
             except GeserveError as exc:
                 fault(exc, message)
             except Exception as exc:
@@ -193,15 +193,16 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         _refuse_repository_name(request)
-        return convert.to_repository_index_response(self._dataplane.repository_index(request.ready))
+        index = self._service.repository_index(request.ready, call_context(context))
+        return convert.to_repository_index_response(index)
 
     @_rpc
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
         _refuse_repository_name(request)
-        name, config = convert.from_repository_model_load_request(request)
-        await self._dataplane.load_model(name, config)
+        name, parameters = convert.from_repository_model_load_request(request)
+        await self._service.load_model(name, parameters, call_context(context))
         return pb.RepositoryModelLoadResponse()
 
     @_rpc
@@ -209,7 +210,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
         _refuse_repository_name(request)
-        await self._dataplane.unload_model(request.model_name)
+        await self._service.unload_model(request.model_name, call_context(context))
         return pb.RepositoryModelUnloadResponse()
 
     # ---- shared memory ------------------------------------------------------------------------------
@@ -218,60 +219,65 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Any
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return convert.to_system_shared_memory_status_response(self._shm.status(request.name))
+        regions = self._service.shared_memory_status(request.name, call_context(context))
+        return convert.to_system_shared_memory_status_response(regions)
 
     @_rpc
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Any
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        self._shm.register(request.name, request.key, request.offset, request.byte_size)
+        self._service.register_shared_memory(
+            request.name, request.key, request.offset, request.byte_size, call_context(context)
+        )
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_rpc
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Any
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        self._shm.unregister(request.name)
+        self._service.unregister_shared_memory(request.name, call_context(context))
         return pb.SystemSharedMemoryUnregisterResponse()
+
+    def _no_cuda_shared_memory(self, context: Any) -> None:
+        self._service.admit(ApiGroup.SHARED_MEMORY, call_context(context))
+        raise UnsupportedError(_NO_CUDA_SHM)
 
     @_rpc
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> pb.CudaSharedMemoryStatusResponse:
-        raise UnsupportedError(_NO_CUDA_SHM)
+        self._no_cuda_shared_memory(context)
+        return pb.CudaSharedMemoryStatusResponse()
 
     @_rpc
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> pb.CudaSharedMemoryRegisterResponse:
-        raise UnsupportedError(_NO_CUDA_SHM)
+        self._no_cuda_shared_memory(context)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     @_rpc
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
-        raise UnsupportedError(_NO_CUDA_SHM)
+        self._no_cuda_shared_memory(context)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- trace and log settings ---------------------------------------------------------------------
 
     @_rpc
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> pb.TraceSettingResponse:
-        model = request.model_name
-        if model:
-            try:
-                self._dataplane.model(model)
-            except NotFoundError:
-                raise InvalidArgumentError(f"Request for unknown model : {model}") from None
         changes = convert.from_trace_setting_request(request)
-        values = self._trace.update(changes, model) if changes else self._trace.get(model)
+        values = self._service.trace_setting(request.model_name, changes, call_context(context))
         return convert.to_trace_setting_response(values)
 
     @_rpc
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:
         changes = convert.from_log_settings_request(request)
-        return convert.to_log_settings_response(self._log.update(changes) if changes else self._log.get())
+        return convert.to_log_settings_response(self._service.log_settings(changes, call_context(context)))
 
 
 class GrpcServer:
     """inference.GRPCInferenceService and grpc.health.v1.Health on one grpc.aio server, on the running loop."""
 
-    def __init__(self, dataplane: DataPlane, shm: SharedMemoryRegistry, options: GrpcOptions) -> None:
-        self._dataplane = dataplane
-        self._shm = shm
+    name = "grpc"
+
+    def __init__(self, service: InferenceService, options: GrpcOptions) -> None:
+        self._service = service
         self.options = options
         self._server: grpc.aio.Server | None = None
 
@@ -288,9 +294,10 @@ class GrpcServer:
             ("grpc.max_receive_message_length", size),
             ("grpc.so_reuseport", 0),  # a port already in use fails the start instead of being shared
         ])
-        servicer = GrpcInferenceServicer(self._dataplane, self._shm, self.options)
+        servicer = GrpcInferenceServicer(self._service)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-        server.add_generic_rpc_handlers((HealthService(self._dataplane.ready).handler(),))
+        health = HealthService(lambda: self._service.ready(CallContext(Transport.GRPC)))
+        server.add_generic_rpc_handlers((health.handler(),))
         try:
             bound = server.add_insecure_port(self.target)
         except RuntimeError:

@@ -10,18 +10,21 @@ from typing import Any
 
 import orjson
 
-from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
-from geserve.frontends.http.codec import (
-    OutputPlacementError,
-    RequestParseError,
-    decode_infer_request,
-    encode_infer_response,
-    parse_json,
+from geserve.config import message_to_json_dict
+from geserve.errors import (
+    GeserveError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    UnknownModelError,
+    UnsupportedError,
 )
+from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
 from geserve.frontends.http.status import HTTP_STATUS
-from geserve.service.dataplane import DataPlane
-from geserve.service.runtime_settings import LogSettings, TraceSettings
-from geserve.service.shared_memory import SharedMemoryRegistry
+from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.service import InferenceService
+from geserve.service.shared_memory import OutputPlacementError
+from geserve.types import InferenceRequest
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +72,9 @@ class ClientDisconnected(Exception):
 
 
 class HttpFrontend:
-    def __init__(
-        self,
-        dataplane: DataPlane,
-        max_input_size: int,
-        shared_memory: SharedMemoryRegistry | None = None,
-        log_settings: LogSettings | None = None,
-        trace_settings: TraceSettings | None = None,
-    ) -> None:
-        """The registry and settings objects are the server's, shared with the gRPC frontend."""
-        self._dataplane = dataplane
+    def __init__(self, service: InferenceService, max_input_size: int) -> None:
+        self._service = service
         self._max_input_size = max_input_size
-        self._shm = shared_memory if shared_memory is not None else SharedMemoryRegistry(False)
-        self._log = log_settings if log_settings is not None else LogSettings()
-        self._trace = trace_settings if trace_settings is not None else TraceSettings()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -92,7 +84,7 @@ class HttpFrontend:
             return
         headers = dict(scope["headers"])
         try:
-            status, body, content_type, extra = await self._dispatch(scope, receive, headers)
+            status, body, content_type, extra = await self._dispatch(scope, receive, headers, _context(scope))
         except ClientDisconnected:
             return
         except GeserveError as exc:
@@ -106,23 +98,26 @@ class HttpFrontend:
         await send({"type": "http.response.start", "status": status, "headers": response_headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _dispatch(self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]) -> Response:
+    async def _dispatch(
+        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], context: CallContext
+    ) -> Response:
         """Triton's routes; a known route asked with the wrong method is 405, anything else 404."""
+        service = self._service
         method = scope["method"]
         parts = scope["path"].split("/")[1:]
         if not parts or parts[0] != "v2":
             return _not_found()
         if len(parts) == 1:
-            return _json(self._dataplane.server_metadata()) if method == "GET" else _not_allowed()
+            return _json(service.server_metadata(context)) if method == "GET" else _not_allowed()
         group = parts[1]
         if group == "models" and len(parts) > 2:
             if parts[2:] == ["stats"]:
-                return _json(self._dataplane.statistics()) if method == "GET" else _not_allowed()
-            return await self._model_route(method, parts[2:], receive, headers)
+                return _json(service.statistics(context=context)) if method == "GET" else _not_allowed()
+            return await self._model_route(method, parts[2:], receive, headers, context)
         if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
             if method != "GET":
                 return _not_allowed(_TEXT)
-            ok = self._dataplane.live() if parts[2] == "live" else self._dataplane.ready()
+            ok = service.live(context) if parts[2] == "live" else service.ready(context)
             return (200, b"", _TEXT, []) if ok else (400, b"", _TEXT, [])
         if group == "repository":
             if parts[2:] == ["index"]:
@@ -133,25 +128,27 @@ class HttpFrontend:
                 ready = options.get("ready", False) if isinstance(options, dict) else False
                 if not isinstance(ready, bool):
                     raise InvalidArgumentError("Unable to parse 'ready': attempt to access JSON non-boolean as boolean")
-                return _json(self._dataplane.repository_index(ready))
+                return _json(service.repository_index(ready, context))
             if len(parts) == 5 and parts[2] == "models" and parts[3] and parts[4] in ("load", "unload"):
                 if method != "POST":
                     return _not_allowed()
-                return await self._repository_action(parts[3], parts[4], receive, headers)
+                return await self._repository_action(parts[3], parts[4], receive, headers, context)
         if group in ("systemsharedmemory", "cudasharedmemory"):
-            return await self._shm_route(group, method, parts[2:], receive, headers)
+            return await self._shm_route(group, method, parts[2:], receive, headers, context)
         if parts[1:] == ["logging"]:
             if method == "GET":
-                return _json(self._log.get())
+                return _json(service.log_settings(context=context))
             if method != "POST":
                 return _not_allowed()
-            return _json(self._log.update(_log_changes(parse_json(await self._read_body(receive, headers)))))
+            changes = _log_changes(parse_json(await self._read_body(receive, headers)))
+            return _json(service.log_settings(changes, context))
         if parts[1:] == ["trace", "setting"]:
-            return await self._trace_setting("", method, receive, headers)
+            return await self._trace_setting("", method, receive, headers, context)
         return _not_found()
 
     async def _shm_route(
-        self, group: str, method: str, rest: list[str], receive: Receive, headers: dict[bytes, bytes]
+        self, group: str, method: str, rest: list[str], receive: Receive, headers: dict[bytes, bytes],
+        context: CallContext,
     ) -> Response:
         """`rest` follows /v2/{system,cuda}sharedmemory/: [region/{name}/]status|unregister, region/{name}/register."""
         name = ""
@@ -163,18 +160,21 @@ class HttpFrontend:
         if method != _SHM_ACTIONS[action]:
             return _not_allowed()
         cuda = group == "cudasharedmemory"
+        service = self._service
+        if cuda:  # no GPU, so never a CUDA region: Triton's answers on such a machine
+            service.admit(ApiGroup.SHARED_MEMORY, context)
         if action == "status":
             if cuda:
-                if name:  # no GPU, so never a CUDA region: Triton's answers on such a machine
+                if name:
                     raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
                 return _json([])
             return _json([
                 {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                for r in self._shm.status(name)
+                for r in service.shared_memory_status(name, context)
             ])
         if action == "unregister":
             if not cuda:
-                self._shm.unregister(name)
+                service.unregister_shared_memory(name, context)
             return 200, b"", _JSON, []
         options = parse_json(await self._read_body(receive, headers))
         options = options if isinstance(options, dict) else {}
@@ -190,34 +190,26 @@ class HttpFrontend:
             raise RequestParseError(_JSON_TYPE_ERRORS[str])
         if not all(type(v) is int and v >= 0 for v in (offset, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
-        self._shm.register(name, key, offset, byte_size)
+        service.register_shared_memory(name, key, offset, byte_size, context)
         return 200, b"", _JSON, []
 
     async def _trace_setting(
-        self, model: str, method: str, receive: Receive, headers: dict[bytes, bytes]
+        self, model: str, method: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         if method not in ("GET", "POST"):
             return _not_allowed()
-        if model:
-            try:
-                self._dataplane.model(model)
-            except NotFoundError:
-                raise InvalidArgumentError(f"Request for unknown model : {model}") from None
-        values = self._trace.get(model)
-        if method == "POST":
-            changes = _trace_changes(parse_json(await self._read_body(receive, headers)))
-            if changes:
-                values = self._trace.update(changes, model)
+        changes = _trace_changes(parse_json(await self._read_body(receive, headers))) if method == "POST" else None
+        values = self._service.trace_setting(model, changes, context)
         ordered = {k: values[k] for k in _TRACE_KEYS if k in values}
         return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
     async def _model_route(
-        self, method: str, parts: list[str], receive: Receive, headers: dict[bytes, bytes]
+        self, method: str, parts: list[str], receive: Receive, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         """`parts` follow /v2/models/: {name}[/versions/{digits}][/ready|/config|/stats|/infer]."""
         name, version, rest = parts[0], "", parts[1:]
         if rest == ["trace", "setting"] and name:
-            return await self._trace_setting(name, method, receive, headers)
+            return await self._trace_setting(name, method, receive, headers, context)
         if rest[:1] == ["versions"]:
             if len(rest) < 2 or not rest[1].isdigit():
                 return _not_found()
@@ -227,64 +219,48 @@ class HttpFrontend:
             return _not_found()
         if method != _MODEL_ACTIONS[action]:
             return _not_allowed(_TEXT if action in ("infer", "ready") else _JSON)
+        service = self._service
         if action == "infer":
-            return await self._infer(name, version, receive, headers)
+            return await self._infer(name, version, receive, headers, context)
         if action == "":
-            return _json(self._dataplane.model_metadata(name, version))
+            return _json(service.model_metadata(name, version, context))
         if action == "ready":
-            if await self._dataplane.model_ready(name, version):
+            if await service.model_ready(name, version, context):
                 return 200, b"", _TEXT, []
             return 400, _error_body("Model version not ready"), _TEXT, []
         if action == "config":
-            return _json(self._dataplane.model_config(name, version))
-        return _json(self._dataplane.statistics(name, version))
+            return _json(message_to_json_dict(service.model_config(name, version, context)))
+        return _json(service.statistics(name, version, context))
 
     async def _repository_action(
-        self, name: str, action: str, receive: Receive, headers: dict[bytes, bytes]
+        self, name: str, action: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         body = await self._read_body(receive, headers)
         options = parse_json(body) if body.strip() else {}
         parameters = options.get("parameters", {}) if isinstance(options, dict) else {}
         if action == "load":
-            config = parameters.get("config")
-            if config is not None and not isinstance(config, str):
-                raise InvalidArgumentError("the 'config' parameter of a load request must be a JSON string")
-            files = [k for k in parameters if k.startswith("file:")]
-            if files:
-                raise InvalidArgumentError(
-                    f"load request carries model files {files}; geserve loads model files from the repository only"
-                )
-            await self._dataplane.load_model(name, config)
-            return 200, b"", _JSON, []
-        if action == "unload":
-            await self._dataplane.unload_model(name)
-            return 200, b"", _JSON, []
-        return _not_found()
+            await self._service.load_model(name, parameters if isinstance(parameters, dict) else {}, context)
+        else:
+            await self._service.unload_model(name, context)
+        return 200, b"", _JSON, []
 
-    async def _infer(self, name: str, version: str, receive: Receive, headers: dict[bytes, bytes]) -> Response:
-        try:  # the model first, as Triton: an unknown one is 404 (text/plain) whatever the body holds
-            model = self._dataplane.model(name, version)  # the data plane looks again: a reload may swap it
-        except NotFoundError as exc:
-            return 404, _error_body(exc.message), _TEXT, []
-        if model.decoupled:
-            raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy")
-        body = await self._read_body(receive, headers)
-        header_length = headers.get(b"inference-header-content-length")
-        length: int | None = None
-        if header_length is not None:
-            try:
-                length = int(header_length)
-            except ValueError:
-                raise RequestParseError(
-                    f"Inference-Header-Content-Length must be an integer, got {header_length.decode(errors='replace')}"
-                ) from None
-            if not 0 <= length <= len(body):
-                raise HeaderLengthError(f"inference header size should be in range (0, {len(body)}), got: {length}")
-        request = decode_infer_request(body, length, name, version, model if length == 0 else None, shm=self._shm)
-        response = await self._dataplane.infer(request)
-        parts, json_length = encode_infer_response(response, request, shm=self._shm)
+    async def _infer(
+        self, name: str, version: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
+    ) -> Response:
+        try:
+            body = await self._read_body(receive, headers)
+            length = _header_length(headers, len(body))
+            request = decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
+        except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body
+            request = InferenceRequest(name, version, [], fault=exc)
+        try:
+            response = await self._service.infer(request, context)
+        except UnknownModelError as exc:  # a body left unread past the size limit cannot be skipped: close
+            extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
+            return 404, _error_body(exc.message), _TEXT, extra
+        parts, json_length = encode_infer_response(response, request)
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        extra: list[tuple[bytes, bytes]] = []
+        extra = []
         content_type = _JSON
         if json_length is not None:
             extra.append((b"inference-header-content-length", str(json_length).encode()))
@@ -318,6 +294,28 @@ class HttpFrontend:
         if encoding:
             body = _decompress(body, encoding.strip().lower(), limit)
         return body
+
+
+def _context(scope: Scope) -> CallContext:
+    client = scope.get("client")
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    return CallContext(Transport.HTTP, f"{client[0]}:{client[1]}" if client else "", headers)
+
+
+def _header_length(headers: dict[bytes, bytes], body_size: int) -> int | None:
+    """`Inference-Header-Content-Length`: the JSON header's size when binary tensor data follows it."""
+    raw = headers.get(b"inference-header-content-length")
+    if raw is None:
+        return None
+    try:
+        length = int(raw)
+    except ValueError:
+        raise RequestParseError(
+            f"Inference-Header-Content-Length must be an integer, got {raw.decode(errors='replace')}"
+        ) from None
+    if not 0 <= length <= body_size:
+        raise HeaderLengthError(f"inference header size should be in range (0, {body_size}), got: {length}")
+    return length
 
 
 def _log_changes(body: Any) -> dict[str, Any]:

@@ -11,10 +11,18 @@ from typing import Any
 import numpy as np
 import orjson
 
-from geserve.errors import InternalError, InvalidArgumentError, NotFoundError
-from geserve.repository.model import LoadedModel
+from geserve.errors import InvalidArgumentError, NotFoundError
 from geserve.service.shared_memory import SharedMemoryRegistry
-from geserve.types import BY_WIRE, InferenceRequest, InferenceResponse, InputTensor, OutputTensor, RequestedOutput
+from geserve.types import (
+    BY_WIRE,
+    InferenceRequest,
+    InferenceResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+    ShmLocation,
+    id_prefix,
+)
 from geserve.types.wire import FramingError, split_bytes, tensor_bytes
 
 _NUMPY_JSON = orjson.OPT_SERIALIZE_NUMPY
@@ -31,10 +39,6 @@ class RequestParseError(InvalidArgumentError):
     """The body is not a well-formed request (Triton answers these with 500; geserve with 400)."""
 
 
-class OutputPlacementError(InternalError):
-    """An output does not fit the shared memory the request gave it (Triton: 500, found after inference)."""
-
-
 def parse_json(body: bytes | memoryview, what: str = "request") -> Any:
     try:
         return orjson.loads(body)
@@ -46,16 +50,15 @@ def parse_json(body: bytes | memoryview, what: str = "request") -> Any:
 
 
 def decode_infer_request(
-    body: bytes, header_length: int | None, model_name: str, version: str, raw_model: LoadedModel | None,
+    body: bytes, header_length: int | None, model_name: str, version: str,
     *, shm: SharedMemoryRegistry | None = None,
 ) -> InferenceRequest:
-    """`header_length` None: the body is all JSON; 0: the body is one raw input (`raw_model` must be set).
+    """`header_length` None: the body is all JSON; 0: the body is one raw input (the service deduces its shape).
 
-    Tensors whose parameters name a `shared_memory_region` are read from (inputs) or checked against (outputs)
-    `shm`, the server's registered regions."""
+    Inputs whose parameters name a `shared_memory_region` are read from `shm`, the server's registered regions;
+    outputs that name one carry its location for the service to write them there."""
     if header_length == 0:
-        assert raw_model is not None
-        return _decode_raw(body, model_name, version, raw_model)
+        return InferenceRequest(model_name, version, [], raw_input=body)
     if header_length is None:
         header_length = len(body)
     elif not 0 < header_length <= len(body):
@@ -98,7 +101,7 @@ def decode_infer_request(
             raise RequestParseError("Unable to parse 'outputs': expected an array")
         wanted: dict[str, RequestedOutput] = {}
         for item in outputs:
-            output = _decode_output(item, shm)
+            output = _decode_output(item)
             wanted.setdefault(output.name, output)  # a name asked twice is returned once
         request.outputs = list(wanted.values())
     return request
@@ -162,7 +165,7 @@ def _decode_input(
     return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
 
 
-def _shm_location(parameters: dict[str, Any]) -> tuple[str, int, int]:
+def _shm_location(parameters: dict[str, Any]) -> ShmLocation:
     """(region, offset, byte_size) of a tensor placed in shared memory; no `byte_size` means 0 (Triton)."""
     region = parameters[_SHM]
     if not isinstance(region, str):
@@ -173,7 +176,7 @@ def _shm_location(parameters: dict[str, Any]) -> tuple[str, int, int]:
         if type(value) is not int or value < 0:
             raise RequestParseError(_NOT_UNSIGNED.format(key))
         values.append(value)
-    return region, values[0], values[1]
+    return ShmLocation(region, values[0], values[1])
 
 
 def _registry(shm: SharedMemoryRegistry | None, region: Any) -> SharedMemoryRegistry:
@@ -193,8 +196,8 @@ def _shm_input(
     if view.nbytes != expected:
         request_id = header.get("id")
         raise InvalidArgumentError(
-            f"[request id: {request_id if isinstance(request_id, str) and request_id else '<id_unknown>'}] "
-            f"input byte size mismatch for input '{name}' for model '{model}'. Expected {expected}, got {view.nbytes}"
+            f"{id_prefix(request_id if isinstance(request_id, str) else '')}input byte size mismatch for input "
+            f"'{name}' for model '{model}'. Expected {expected}, got {view.nbytes}"
         )
     return np.frombuffer(view, dtype=dtype, count=count).reshape(shape)
 
@@ -270,27 +273,16 @@ def _bytes_ended(name: str, index: int) -> InvalidArgumentError:
 
 
 def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
+    """The request's parameters as JSON gave them; the service applies priority, timeout and reserved keys."""
     if not isinstance(parameters, dict):
         raise RequestParseError("Unable to parse 'parameters': expected an object")
-    for key, value in parameters.items():
-        if key.startswith("triton_"):
-            raise InvalidArgumentError(
-                "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
-            )
-        if key == "priority":
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidArgumentError(f"'priority' must be a non-negative integer, got {value!r}")
-            request.priority = value
-        elif key == "timeout":
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidArgumentError(f"'timeout' must be a non-negative integer (microseconds), got {value!r}")
-            request.timeout_us = value
-        elif key == "binary_data_output" and not isinstance(value, bool):
-            raise RequestParseError(_NOT_BOOLEAN.format("binary_data_output"))
+    binary = parameters.get("binary_data_output")
+    if binary is not None and not isinstance(binary, bool):
+        raise RequestParseError(_NOT_BOOLEAN.format("binary_data_output"))
     request.parameters = parameters
 
 
-def _decode_output(item: Any, shm: SharedMemoryRegistry | None) -> RequestedOutput:
+def _decode_output(item: Any) -> RequestedOutput:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise RequestParseError("Unable to parse 'outputs': each output needs a 'name'")
     parameters = item.get("parameters") or {}
@@ -300,91 +292,37 @@ def _decode_output(item: Any, shm: SharedMemoryRegistry | None) -> RequestedOutp
     binary = parameters.get("binary_data", False)
     if not isinstance(binary, bool):
         raise RequestParseError(_NOT_BOOLEAN.format("binary_data"))
+    location = None
     if parameters and _SHM in parameters:
         if binary:  # tritonclient sends `binary_data: false` with every output it places in shared memory
             raise InvalidArgumentError("Output can't set both 'shared_memory_region' and 'binary_data'")
-        # The region must exist and hold the window now: Triton checks before inference.
-        _registry(shm, parameters[_SHM]).read(*_shm_location(parameters))
-    return RequestedOutput(item["name"], parameters)
-
-
-def _decode_raw(body: bytes, model_name: str, version: str, model: LoadedModel) -> InferenceRequest:
-    """Triton's raw binary request: no JSON header, the body is the model's single input.
-
-    The shape is deduced as Triton does: batch 1 for a batching model, the model's dims, and one
-    variable-size dim (if any) from the body's length; a BYTES input must have dims [1].
-    """
-    prefix = "[request id: <id_unknown>] "
-    if len(model.inputs) != 1:
-        raise InvalidArgumentError(
-            f"{prefix}Raw request must only have 1 input (found 1) to be deduced but got {len(model.inputs)} "
-            f"inputs in '{model.name}' model configuration"
-        )
-    spec = next(iter(model.inputs.values()))
-    datatype = BY_WIRE[spec.wire_type]
-    shape = [1, *spec.dims] if model.max_batch_size > 0 else list(spec.dims)
-    fixed = 1
-    for dim in spec.dims:
-        fixed *= 1 if dim == -1 else dim
-    variable = [k for k, d in enumerate(shape) if d == -1]
-    if len(variable) > 1:
-        raise InvalidArgumentError(
-            f"{prefix}The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
-            f"variable-sized dimension"
-        )
-    if datatype.wire == "BYTES":
-        if variable or fixed != 1:
-            raise InvalidArgumentError(
-                f"{prefix}For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
-            )
-        data = np.empty(1, dtype=object)
-        data[0] = body
-    else:
-        if variable:
-            shape[variable[0]] = len(body) // (fixed * datatype.itemsize) if fixed else 0
-        count = 1
-        for dim in shape:
-            count *= dim
-        if count * datatype.itemsize != len(body):
-            raise InvalidArgumentError(
-                f"{prefix}input byte size mismatch for input '{spec.name}' for model '{model.name}'. "
-                f"Expected {count * datatype.itemsize}, got {len(body)}"
-            )
-        data = np.frombuffer(body, dtype=datatype.numpy, count=count)
-    shape_t = tuple(shape)
-    tensor = InputTensor(spec.name, datatype.wire, shape_t, data.reshape(shape_t))
-    request = InferenceRequest(model_name, version, [tensor])
-    request.parameters = {"binary_data_output": True}
-    return request
+        location = _shm_location(parameters)
+    return RequestedOutput(item["name"], parameters, location)
 
 
 # ---- responses --------------------------------------------------------------------------------------
 
 
 def encode_infer_response(
-    response: InferenceResponse, request: InferenceRequest, *, shm: SharedMemoryRegistry | None = None
+    response: InferenceResponse, request: InferenceRequest
 ) -> tuple[list[bytes | memoryview], int | None]:
     """The body parts and, when any output travels as binary, the JSON header's length.
 
-    An output the request placed in shared memory is written into its region and answered with no data."""
+    An output the request placed in shared memory (the service wrote it there) is answered with no data."""
     # Outputs the request names follow their own `binary_data` (default JSON) and ignore `binary_data_output`,
     # which only applies when the request names no outputs: Triton's rule, which tritonclient relies on.
     binary_default = bool(request.parameters.get("binary_data_output", False))
-    wanted = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
+    wanted = {o.name: o for o in request.outputs} if request.outputs else {}
     outputs_json = []
     binaries: list[bytes | memoryview] = []
     for output in response.outputs:
         asked = wanted.get(output.name)
-        binary = asked.get("binary_data", False) if asked is not None else binary_default
+        binary = asked.parameters.get("binary_data", False) if asked is not None else binary_default
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
         if output.parameters:
             entry["parameters"] = dict(output.parameters)
-        if asked and _SHM in asked:
-            region, offset, size = _shm_location(asked)
-            try:
-                _registry(shm, region).write(region, offset, size, output.name, tensor_bytes(output))
-            except InternalError as exc:
-                raise OutputPlacementError(exc.message) from None
+        if asked is not None and asked.shm is not None:
+            pass  # written into its region by the service
         elif binary:
             raw = tensor_bytes(output)
             entry.setdefault("parameters", {})["binary_data_size"] = len(raw)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import uvicorn
@@ -11,6 +13,7 @@ from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.native_server import NativeHttpServer
 
 HTTP_SERVERS = ("native", "uvicorn")
+logger = logging.getLogger(__name__)
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -46,3 +49,32 @@ def create_http_server(
         backlog=2048,
     )
     return _EmbeddedUvicorn(config)
+
+
+class HttpService:
+    """The HTTP frontend as the server runs it: the app on its HTTP server, served by a task on the loop."""
+
+    name = "http"
+
+    def __init__(
+        self, app: HttpFrontend, host: str, port: int, *, log_verbose: int = 0, kind: str = "native",
+        max_body_size: int,
+    ) -> None:
+        self._host, self._port = host, port
+        self._server = create_http_server(app, host, port, log_verbose, kind, max_body_size)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError(f"failed to start the HTTP service on port {self._port}")
+            await asyncio.sleep(0.01)
+        logger.info("started HTTPService at %s:%d", self._host, self._port)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._task = None

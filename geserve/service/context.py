@@ -1,0 +1,65 @@
+"""Who is calling and how: the call context every service call carries, Triton's API groups, and call policies.
+
+Authorization, restriction and audit hang on the API groups, decided once in the service for every protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Transport(enum.Enum):
+    """Where a call came from; the service words a few answers differently per protocol, as Triton does."""
+
+    HTTP = "http"
+    GRPC = "grpc"
+    IN_PROCESS = "in_process"  # BLS calls, ensemble steps, the in-process API
+
+
+class ApiGroup(enum.Enum):
+    """Triton's API groups (the names `--http-restricted-api` / `--grpc-restricted-protocol` take)."""
+
+    HEALTH = "health"
+    METADATA = "metadata"
+    INFERENCE = "inference"
+    SHARED_MEMORY = "shared-memory"
+    MODEL_CONFIG = "model-config"
+    MODEL_REPOSITORY = "model-repository"
+    STATISTICS = "statistics"
+    TRACE = "trace"
+    LOGGING = "logging"
+
+
+@dataclass(slots=True)
+class CallContext:
+    """One call as the service sees it, whatever the protocol. Header names are lower case (gRPC metadata keys
+    are too); `deadline` is on `time.monotonic()`'s clock; `identity` is set by whoever authenticated the call."""
+
+    transport: Transport
+    peer: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    identity: Any = None
+    deadline: float | None = None
+    is_cancelled: Callable[[], bool] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.is_cancelled is not None and self.is_cancelled()
+
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline (negative once past), None without one."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+IN_PROCESS = CallContext(Transport.IN_PROCESS)
+
+
+class CallPolicy(Protocol):
+    """A rule every call passes before the service acts (authorization, restriction, audit): raise a
+    GeserveError to refuse the call."""
+
+    def admit(self, group: ApiGroup, context: CallContext) -> None: ...

@@ -1,0 +1,57 @@
+"""Protocol-neutral inference requests: what a frontend decodes and every layer below reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from geserve.errors import GeserveError
+from geserve.types.streams import ResponseStream
+from geserve.types.tensors import InputTensor, RequestedOutput
+
+
+def id_prefix(request_id: str) -> str:
+    """Triton's prefix of a request's error messages: `[request id: <id>] `."""
+    return f"[request id: {request_id or '<id_unknown>'}] "
+
+
+@dataclass(slots=True)
+class ComputeTimes:
+    """Compute time of executions, in Triton's three phases (ns)."""
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    def add(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.input_ns += input_ns
+        self.infer_ns += infer_ns
+        self.output_ns += output_ns
+
+    def add_times(self, other: ComputeTimes) -> None:
+        self.add(other.input_ns, other.infer_ns, other.output_ns)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    model_name: str
+    model_version: str  # "" picks the model's latest ready version
+    inputs: list[InputTensor]
+    outputs: list[RequestedOutput] | None = None  # None: every output of the model
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    timeout_us: int = 0
+    # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
+    batch_size: int = 1
+    # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the
+    # ensemble reports the compute of its steps, as Triton's does.
+    compute: ComputeTimes | None = None
+    # Set by the service for a decoupled model: where the backend sends each response as the model produces it.
+    stream: ResponseStream | None = None
+    # Set by a frontend. `fault`: what it could not decode, reported once the model is resolved (Triton looks
+    # the model up first); `late_fault`: a fault Triton finds in its core, reported after the core's checks.
+    fault: GeserveError | None = None
+    late_fault: GeserveError | None = None
+    # Triton's raw binary HTTP request: the body is the model's single input, its shape deduced by the service.
+    raw_input: bytes | None = None
