@@ -160,34 +160,51 @@ class ModelManager:
                 prepared = await self._prepare(name, model_dir, config_json)
                 if prepared.is_ensemble:
                     self._check_present(name, prepared.composing)
-                await self._discover(name)
-                plan = self._graph.load_plan(name)
-                cycle = plan.cycle_error(name)
-                if cycle is not None:
-                    raise cycle
+                    await self._bring_up_composing(name, loaded)
             except GeserveError as exc:
                 await self._versions.fail(record, exc.message, started)
                 return loaded, _load_failed(name, [exc.message])
-            for level in plan.levels:
-                came_up = await asyncio.gather(*(self._bring_up(model, plan) for model in level))
-                loaded.update(model for model, up in zip(level, came_up, strict=True) if up)
             error = await self._finish(record, prepared, started)
         if error is None:
             loaded.add(name)
         return loaded, error
 
-    async def _bring_up(self, name: str, plan: LoadPlan) -> bool:
-        """`name` up for an ensemble that runs on it: wait for its loads under way, else load it unless it serves
-        (its own composing models are up already: they came earlier in the plan). Whether this loaded it."""
-        if name in self._flights:
-            for done in list(self._flights[name]):
-                await done.wait()  # how it went shows in its record, which the ensemble reads
-            return False
-        record = self._records.get(name)
-        model_dir = self._store.find(name)
-        if (record is not None and record.latest is not None) or model_dir is None:
-            return False  # a missing one is named by the ensemble that needs it
-        with self._in_flight(name):
+    async def _bring_up_composing(self, ensemble: str, loaded: set[str]) -> None:
+        """Bring up the models `ensemble` runs on, one level of the graph's plan at a time, adding to `loaded` those
+        this loaded. The plan is made again before each level: a load that was under way when the last one was
+        made has told the graph its own composing models since."""
+        tried: set[str] = set()
+        while True:
+            await self._discover(ensemble)
+            # From here to the loads' flights being marked nothing awaits, so the plan is current when acted on.
+            plan = self._graph.load_plan(ensemble)
+            cycle = plan.cycle_error(ensemble)
+            if cycle is not None:
+                raise cycle
+            level = next((lv for lv in plan.levels if not tried.issuperset(lv)), ())
+            if not level:
+                return
+            batch = [m for m in level if m not in tried]
+            tried.update(batch)
+            waits = [m for m in batch if m in self._flights]
+            # A missing one is named by the ensemble that needs it; one that serves stays as it is.
+            dirs = {m: self._store.find(m) for m in batch if m not in self._flights and not self._is_up(m)}
+            loads = {m: d for m, d in dirs.items() if d is not None}
+            # Marked here, before anything awaits; each load unmarks its own as it ends, for whoever waits on it.
+            flights = {m: self._mark_in_flight(m) for m in loads}
+            try:
+                came_up = await asyncio.gather(
+                    *(self._load_alone(m, d, plan, flights[m]) for m, d in loads.items()),
+                    *(self._wait_for(m) for m in waits),
+                )
+            finally:
+                for model, done in flights.items():
+                    self._unmark_in_flight(model, done)  # those a cancellation kept from starting
+            loaded.update(m for m, up in zip(loads, came_up[: len(loads)], strict=True) if up)
+
+    async def _load_alone(self, name: str, model_dir: Path, plan: LoadPlan, flight: asyncio.Event) -> bool:
+        """Load `name`, whose composing models are as up as they will get; whether it came up."""
+        try:
             record = self._records.setdefault(name, ModelRecord(name))
             started = time.monotonic()
             try:
@@ -199,6 +216,13 @@ class ModelManager:
                 await self._versions.fail(record, exc.message, started)
                 return False
             return await self._finish(record, prepared, started) is None
+        finally:
+            self._unmark_in_flight(name, flight)
+
+    async def _wait_for(self, name: str) -> None:
+        """Wait for the loads of `name` under way (how they went shows in its record, which the ensemble reads)."""
+        for done in list(self._flights.get(name, ())):
+            await done.wait()
 
     async def _reload_dependents(self, loaded: set[str], skip: set[str]) -> None:
         """Load again the ensembles that run on `loaded` and serve or wait for them (blocked), each after those it
@@ -243,8 +267,11 @@ class ModelManager:
 
     def _settled(self, name: str) -> bool:
         """Whether the graph already knows `name`'s composing models: it serves, or a load of it is under way."""
+        return name in self._flights or self._is_up(name)
+
+    def _is_up(self, name: str) -> bool:
         record = self._records.get(name)
-        return name in self._flights or (record is not None and record.latest is not None)
+        return record is not None and record.latest is not None
 
     async def _finish(self, record: ModelRecord, prepared: PreparedModel, started: float) -> GeserveError | None:
         """`record`'s own load, its composing models (if any) being as up as they will get."""
@@ -307,17 +334,26 @@ class ModelManager:
 
     @contextlib.contextmanager
     def _in_flight(self, name: str) -> Iterator[None]:
-        """Mark a load of `name` under way, for loads that need `name` to wait on."""
-        done = asyncio.Event()
-        flights = self._flights.setdefault(name, [])
-        flights.append(done)
+        done = self._mark_in_flight(name)
         try:
             yield
         finally:
-            done.set()
-            flights.remove(done)
-            if not flights and self._flights.get(name) is flights:
-                del self._flights[name]
+            self._unmark_in_flight(name, done)
+
+    def _mark_in_flight(self, name: str) -> asyncio.Event:
+        """A load of `name` is under way: loads that need `name` wait for it instead of starting another."""
+        done = asyncio.Event()
+        self._flights.setdefault(name, []).append(done)
+        return done
+
+    def _unmark_in_flight(self, name: str, done: asyncio.Event) -> None:
+        if done.is_set():
+            return
+        done.set()
+        flights = self._flights[name]
+        flights.remove(done)
+        if not flights:
+            del self._flights[name]
 
 
 def _load_failed(name: str, failures: list[str]) -> InvalidArgumentError:
