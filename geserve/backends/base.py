@@ -51,8 +51,10 @@ class InferenceHost(Protocol):
         """Run `request` on its model (validation, scheduler, statistics), as a frontend would."""
         ...
 
-    # The event loop `infer` runs on, for calls made from other threads (a Python model's BLS requests).
-    loop: asyncio.AbstractEventLoop | None
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop `infer` runs on, for calls made from other threads (a Python model's BLS requests)."""
+        ...
 
     def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
         """Every response of `request` as it is sent (any number for a decoupled model, one otherwise), the

@@ -65,8 +65,8 @@ class MetricsService:
         self._cpu = cpu
         self.registry = registry
         self._http: NativeHttpServer | None = None
-        self._http_task: asyncio.Task | None = None
-        self._sampler: asyncio.Task | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind the endpoint; as in Triton, a port that cannot be bound stops the server from starting."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from geserve.errors import InvalidArgumentError
@@ -16,7 +18,7 @@ def classify(output: OutputTensor, k: int, labels: list[str] | None, batching: b
     k = min(k, rows.shape[1])
     top = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
     is_float = data.dtype.kind == "f"
-    result = np.empty(top.shape, dtype=object)
+    result: np.ndarray[Any, Any] = np.empty(top.shape, dtype=object)
     for r, indices in enumerate(top):
         for c, index in enumerate(indices):
             value = rows[r, index]

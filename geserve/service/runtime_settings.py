@@ -35,7 +35,7 @@ class LogSettings:
             expected = _LOG_TYPES.get(key)
             if expected is None:
                 continue
-            if type(value) is not expected or (expected is int and value < 0):
+            if type(value) is not expected or (isinstance(value, int) and value < 0):
                 raise InvalidArgumentError(f"expect {_TYPE_NAMES[expected]} for '{key}'")
             if key == "log_format" and value not in _LOG_FORMATS:
                 raise InvalidArgumentError(f"invalid argument for log_format, got: {value}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import NoReturn
+
 from geserve.errors import InvalidArgumentError
 from geserve.repository.model import LoadedModel
 from geserve.types import InferenceRequest, InputTensor, id_prefix
@@ -11,11 +14,11 @@ def _prefix(request: InferenceRequest) -> str:
     return id_prefix(request.id)
 
 
-def _shape_text(shape) -> str:
+def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _names_text(names) -> str:
+def _names_text(names: Iterable[str]) -> str:
     return "[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
@@ -101,7 +104,9 @@ def _dims_match(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return all(d == -1 or d == s for d, s in zip(dims, shape, strict=True))
 
 
-def _bad_shape(model: LoadedModel, request: InferenceRequest, name: str, expected, got) -> None:
+def _bad_shape(
+    model: LoadedModel, request: InferenceRequest, name: str, expected: Sequence[int], got: Sequence[int]
+) -> NoReturn:
     note = ""
     if model.max_batch_size > 0:
         note = (

@@ -227,8 +227,8 @@ def _decode(
         )
     if wire == "BYTES":
         items, fault = (typed, None) if typed is not None else _split_bytes(request, name, buffer)  # type: ignore[arg-type]
-        if fault is None and len(items) != count:  # type: ignore[arg-type]
-            got = len(items)  # type: ignore[arg-type]
+        if fault is None and len(items) != count:
+            got = len(items)
             fault = InvalidArgumentError(
                 f"{_prefix(request)}expected {count} string elements for inference input '{name}' for model "
                 f"'{model}', got {got}" if got < count else
@@ -309,7 +309,7 @@ def to_model_infer_response(
         if placed and output.name in placed:
             raw.append(b"")
         else:
-            raw.append(tensor_bytes(output, copy=True))  # type: ignore[arg-type]
+            raw.append(tensor_bytes(output, copy=True))
     return message
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
 
 SERVICE = "grpc.health.v1.Health"
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
@@ -19,7 +20,7 @@ UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
 WATCH_INTERVAL_S = 0.5
 
 
-def _messages() -> tuple[type, type]:
+def _messages() -> tuple[type[Message], type[Message]]:
     proto = descriptor_pb2.FileDescriptorProto(name="geserve/grpc_health_v1.proto", package="grpc.health.v1",
                                                syntax="proto3")
     field = descriptor_pb2.FieldDescriptorProto
@@ -53,13 +54,13 @@ class HealthService:
             return None
         return SERVING if self._ready() else NOT_SERVING
 
-    async def check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def check(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         status = self._status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         return HealthCheckResponse(status=status)
 
-    async def watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def watch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         last = None
         while True:
             status = self._status(request.service)

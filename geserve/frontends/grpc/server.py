@@ -46,7 +46,9 @@ def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[M
     """A unary RPC: a GeserveError becomes its status with its message; anything else INTERNAL, logged."""
 
     @functools.wraps(method)
-    async def wrapper(self: GrpcInferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Message:
+    async def wrapper(
+        self: GrpcInferenceServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Message:
         try:
             return await method(self, request, context)
         except GeserveError as exc:
@@ -61,7 +63,7 @@ def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[M
     return wrapper
 
 
-def call_context(context: grpc.aio.ServicerContext) -> CallContext:
+def call_context(context: grpc.aio.ServicerContext[Any, Any]) -> CallContext:
     """The service's view of an RPC: peer, metadata (lower-case keys), deadline, cancellation."""
     remaining = context.time_remaining()
     return CallContext(
@@ -134,7 +136,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return convert.to_model_infer_response(response, decoded.request)
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         """Every request runs as soon as it arrives; responses go out as they complete, errors in-band
         (`error_message`) unless the client sent `triton_grpc_error: true`, which ends the stream instead.

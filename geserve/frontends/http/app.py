@@ -259,7 +259,7 @@ class HttpFrontend:
             extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
             return 404, _error_body(exc.message), _TEXT, extra
         parts, json_length = encode_infer_response(response, request)
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
         extra = []
         content_type = _JSON
         if json_length is not None:
@@ -325,7 +325,7 @@ def _log_changes(body: Any) -> dict[str, Any]:
     changes = {k: v for k, v in body.items() if k in _LOG_TYPES}
     for key, value in changes.items():
         expected = _LOG_TYPES[key]
-        if type(value) is not expected or (expected is int and value < 0):
+        if type(value) is not expected or (isinstance(value, int) and value < 0):
             raise RequestParseError(_JSON_TYPE_ERRORS[expected])
     if "log_file" in changes:
         raise UnsupportedError("log file location can not be updated through network protocol")

@@ -108,7 +108,7 @@ def decode_infer_request(
 
 
 def _decode_input(
-    item: Any, body: bytes, offset: int, header: dict, model: str, shm: SharedMemoryRegistry | None
+    item: Any, body: bytes, offset: int, header: dict[str, Any], model: str, shm: SharedMemoryRegistry | None
 ) -> tuple[InputTensor, int]:
     if not isinstance(item, dict):
         raise RequestParseError("Unable to parse 'inputs': each input must be a JSON object")
@@ -186,8 +186,8 @@ def _registry(shm: SharedMemoryRegistry | None, region: Any) -> SharedMemoryRegi
 
 
 def _shm_input(
-    name: str, wire: str, dtype: np.dtype, shape: tuple[int, ...], count: int, view: memoryview, header: dict,
-    model: str,
+    name: str, wire: str, dtype: np.dtype[Any], shape: tuple[int, ...], count: int, view: memoryview,
+    header: dict[str, Any], model: str,
 ) -> np.ndarray:
     """An input's array straight over its shared memory window (BYTES elements are copied out)."""
     if wire == "BYTES":
@@ -202,7 +202,7 @@ def _shm_input(
     return np.frombuffer(view, dtype=dtype, count=count).reshape(shape)
 
 
-def _json_to_array(name: str, data: Any, wire: str, dtype: np.dtype, count: int) -> np.ndarray:
+def _json_to_array(name: str, data: Any, wire: str, dtype: np.dtype[Any], count: int) -> np.ndarray:
     try:
         if wire == "BYTES":
             flat = _flatten(data)

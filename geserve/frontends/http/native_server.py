@@ -51,7 +51,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._body_size = 0
-        self._worker: asyncio.Task | None = None
+        self._worker: asyncio.Task[None] | None = None
         self._paused = False
         self._closing = False
 
