@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from google.protobuf import json_format
 
 from geserve.backends.base import InferenceHost
 from geserve.backends.registry import BackendRegistry
-from geserve.config import ModelConfig
+from geserve.config import ModelConfig, parse_config_text
 from geserve.errors import GeserveError
 from geserve.repository.builder import ModelBuilder, PreparedModel
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
@@ -147,6 +148,20 @@ def test_a_failed_reload_leaves_the_serving_versions_and_their_ensembles(repo: P
             await manager.load("add_sub", "{not json")
         assert manager.get("add_sub") is serving
         assert (_state(manager, "add_sub"), _state(manager, "chain")) == ("READY", "READY")
+
+    _run(repo, body)
+
+
+def test_a_failed_ensemble_reload_keeps_the_composing_models_that_serve(repo: Path) -> None:
+    async def body(manager: ModelManager) -> None:
+        await manager.load("chain")
+        other = json_format.MessageToJson(parse_config_text(_on("chain", "no_such_model").config(), "test"))
+        with pytest.raises(GeserveError, match="contains models that are not available or ambiguous: no_such_model"):
+            await manager.load("chain", other)
+        assert _state(manager, "chain") == "READY"
+        # The graph still has the serving chain on add_sub: it goes down with it.
+        await manager.unload("add_sub")
+        assert _states(manager)["chain"] == ("UNAVAILABLE", "unloaded")
 
     _run(repo, body)
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from geserve.backends.registry import BackendRegistry
@@ -163,6 +163,7 @@ class ModelManager:
                     await self._bring_up_composing(name, loaded)
             except GeserveError as exc:
                 await self._versions.fail(record, exc.message, started)
+                self._sync_composing(record, self._graph.composing(name))
                 return loaded, _load_failed(name, [exc.message])
             error = await self._finish(record, prepared, started)
         if error is None:
@@ -279,21 +280,18 @@ class ModelManager:
             steps = self._resolve_steps(record.name, prepared.config) if prepared.is_ensemble else {}
         except GeserveError as exc:
             await self._versions.fail(record, exc.message, started)
-            self._sync_composing(record, prepared)
+            self._sync_composing(record, prepared.composing)
             return _load_failed(record.name, [exc.message])
         failures = await self._versions.load(record, prepared, steps, started)
-        self._sync_composing(record, prepared)
+        self._sync_composing(record, prepared.composing)
         return _load_failed(record.name, failures) if failures else None
 
-    def _sync_composing(self, record: ModelRecord, prepared: PreparedModel) -> None:
-        """After a reload that failed with older versions serving on, the graph follows the configs that serve."""
+    def _sync_composing(self, record: ModelRecord, attempted: Iterable[str]) -> None:
+        """The graph follows the configs that serve (older ones, after a failed reload), else the one attempted."""
         serving = record.serving()
         if serving:
-            self._graph.set_composing(
-                record.name, {n for m in serving if is_ensemble(m.config) for n in step_model_names(m.config)}
-            )
-        else:
-            self._graph.set_composing(record.name, prepared.composing)
+            attempted = {n for m in serving if is_ensemble(m.config) for n in step_model_names(m.config)}
+        self._graph.set_composing(record.name, attempted)
 
     def _check_present(self, ensemble: str, composing: list[str]) -> None:
         missing = [n for n in composing if self._store.find(n) is None]
