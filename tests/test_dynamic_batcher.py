@@ -127,6 +127,27 @@ def test_only_requests_with_the_same_shapes_are_merged() -> None:
     assert fakes[0].batches == [["hold"], ["a", "c"], ["b", "d"]]
 
 
+def test_only_requests_carrying_the_same_inputs_are_merged() -> None:
+    """Same shapes, different (optional) inputs: an instance joins inputs by name, so these never share a batch."""
+
+    def carrying(rid: str, *names: str) -> InferenceRequest:
+        req = request(rid)
+        x = req.inputs[0]
+        req.inputs = [x] + [InputTensor(n, "FP32", x.shape, x.data) for n in names]
+        return req
+
+    async def body(batcher: DynamicBatcher, fakes: list[RecordingInstance]) -> None:
+        held = await hold(fakes[0], batcher)
+        waiting = [asyncio.ensure_future(batcher.enqueue(carrying(rid, *names)))
+                   for rid, names in (("a", ("a",)), ("b", ("b",)), ("c", ("a",)), ("d", ()), ("e", ("b",)))]
+        await asyncio.sleep(0.05)
+        fakes[0].gate.set()
+        await asyncio.gather(held, *waiting)
+
+    fakes = run(body, settings())
+    assert fakes[0].batches == [["hold"], ["a", "c"], ["b", "e"], ["d"]]
+
+
 def test_preferred_size_goes_at_once_and_a_partial_batch_waits_for_the_delay() -> None:
     async def body(batcher: DynamicBatcher, fakes: list[RecordingInstance]) -> None:
         started = time.monotonic()

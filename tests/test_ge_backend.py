@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +10,15 @@ import pytest
 
 from geserve.backends.base import BackendSettings, ModelSource
 from geserve.backends.ge import GeBackend
+from geserve.backends.ge.instance import GeInstance
 from geserve.backends.ge.parameters import parse_ge_options
 from geserve.config import ModelConfig, fill_defaults, parse_config_text, validate
 from geserve.devices import KIND_CPU, threads_per_instance
-from geserve.errors import InvalidArgumentError
-from geserve.types import InferenceRequest, InputTensor
+from geserve.errors import InternalError, InvalidArgumentError
+from geserve.scheduling.base import create_scheduler
+from geserve.scheduling.pool import InstancePool
+from geserve.statistics import ModelStatistics
+from geserve.types import InferenceRequest, InferenceResponse, InputTensor
 from tests.support import models
 
 
@@ -79,6 +84,59 @@ def test_instances_execute_single_and_batched_requests(tmp_path: Path) -> None:
     first, second = instances[1].execute([request(2, 0), request(1, 100)]).results
     assert first.outputs[0].shape == (2, 16) and second.outputs[0].shape == (1, 16)
     assert second.outputs[1].data.tolist() == (np.arange(16) + 99).reshape(1, 16).tolist()
+
+
+def _optional_inputs_model(tmp_path: Path) -> tuple[ModelConfig, list[GeInstance]]:
+    model_dir = models.optional_inputs(tmp_path)
+    config = _complete(model_dir, (model_dir / "config.pbtxt").read_text())
+    return config, GeBackend().create_instances(config, ModelSource(model_dir, 1))
+
+
+def _fed(rid: str, **inputs: float) -> InferenceRequest:
+    """One row of `optional_inputs`, with the named inputs (in the order given) each filled with its value."""
+    tensors = [InputTensor(n, "FP32", (1, 4), np.full((1, 4), v, np.float32)) for n, v in inputs.items()]
+    return InferenceRequest("optional_inputs", "", tensors, id=rid)
+
+
+def _y(result: InferenceResponse | Exception) -> list[float]:
+    assert isinstance(result, InferenceResponse), result
+    return [float(v) for v in result.outputs[0].data[0]]
+
+
+def test_optional_inputs_are_overridable_initializers_fed_or_left_to_their_default(tmp_path: Path) -> None:
+    config, (instance,) = _optional_inputs_model(tmp_path)
+    assert [t.name for t in config.input] == ["X", "A", "B"]  # auto-complete adds no initializer as an input
+    for inputs, expected in (({"X": 1}, 1.0), ({"X": 1, "A": 2}, 3.0), ({"X": 1, "B": 2}, 21.0)):
+        (result,) = instance.execute([_fed("r", **inputs)]).results
+        assert _y(result) == [expected] * 4
+
+
+def test_a_batch_joins_each_input_by_its_name(tmp_path: Path) -> None:
+    _, (instance,) = _optional_inputs_model(tmp_path)
+    first, second = instance.execute([_fed("r1", X=1, B=2), _fed("r2", B=3, X=5)]).results
+    assert _y(first) == [21.0] * 4 and _y(second) == [35.0] * 4
+
+
+def test_a_batch_whose_requests_carry_different_inputs_fails_rather_than_mixing_them(tmp_path: Path) -> None:
+    _, (instance,) = _optional_inputs_model(tmp_path)
+    results = instance.execute([_fed("r1", X=1, A=1), _fed("r2", X=1, B=1)]).results
+    assert all(isinstance(r, InternalError) and "carry different inputs" in r.message for r in results), results
+
+
+def test_requests_carrying_different_optional_inputs_are_not_batched_together(tmp_path: Path) -> None:
+    """Through the dynamic batcher: same shapes, different optional inputs; each must get its own answer."""
+    config, instances = _optional_inputs_model(tmp_path)
+
+    async def main() -> tuple[InferenceResponse, ...]:
+        scheduler = create_scheduler(config, InstancePool(config.name, instances, ModelStatistics()))
+        try:
+            requests = [_fed("a", X=1, A=1), _fed("b", X=1, B=1), _fed("a2", X=2, A=2)]
+            return tuple(await asyncio.gather(*(scheduler.enqueue(r) for r in requests)))
+        finally:
+            await scheduler.stop()
+
+    with_a, with_b, with_a2 = asyncio.run(main())
+    assert _y(with_a) == [2.0] * 4 and _y(with_b) == [11.0] * 4 and _y(with_a2) == [4.0] * 4
 
 
 def test_both_parameter_dialects_are_read_and_unknown_rejected() -> None:

@@ -98,8 +98,9 @@ def _positive_float(name: str, text: str) -> float:
 
 
 def _shape_key(request: InferenceRequest) -> ShapeKey:
-    """Requests batch together only when every input has the same shape past the batch axis."""
-    return tuple(t.shape[1:] for t in request.inputs)
+    """Requests batch together only when they carry the same inputs (optional ones may be left out), each with the
+    same shape past the batch axis."""
+    return tuple([(t.name, t.shape[1:]) for t in request.inputs])  # a list first: faster than a generator
 
 
 class DynamicBatcher:

@@ -13,8 +13,8 @@ from geserve.errors import UnavailableError
 from geserve.types import InferenceRequest, InferenceResponse
 
 _DELAY = model_config_pb2.ModelQueuePolicy.DELAY
-# Requests batch together only when their keys are equal: each input's shape past the batch axis.
-ShapeKey = tuple[tuple[int, ...], ...]
+# Requests batch together only when their keys are equal: each input's name and shape past the batch axis.
+ShapeKey = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)

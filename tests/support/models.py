@@ -118,6 +118,38 @@ parameters { key: "instance_exec_blocks" value: { string_value: "1" } }
     return model_dir
 
 
+def optional_inputs(repo: Path, name: str = "optional_inputs") -> Path:
+    """FP32 [batch, 4]: Y = X + A + 10 * B, where A and B are optional inputs (graph inputs with a zero default
+    initializer, which a request may feed or leave out); dynamic batching waits up to 0.3 s for a batch of 2."""
+    zeros = [0.0] * 4
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["B", "ten"], ["B10"]), helper.make_node("Add", ["X", "A"], ["XA"]),
+         helper.make_node("Add", ["XA", "B10"], ["Y"])],
+        name,
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4]) for n in ("X", "A", "B")],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[helper.make_tensor("A", TensorProto.FLOAT, [1, 4], zeros),
+                     helper.make_tensor("B", TensorProto.FLOAT, [1, 4], zeros),
+                     helper.make_tensor("ten", TensorProto.FLOAT, [], [10.0])],
+    )
+    config = f"""
+name: "{name}"
+backend: "onnxruntime"
+max_batch_size: 8
+input [
+  {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }},
+  {{ name: "A" data_type: TYPE_FP32 dims: [ 4 ] optional: true }},
+  {{ name: "B" data_type: TYPE_FP32 dims: [ 4 ] optional: true }}
+]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+dynamic_batching {{ preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 300000 }}
+"""
+    model_dir = repo / name
+    _save(model_dir, graph, config)
+    return model_dir
+
+
 def autocomplete(repo: Path, name: str = "autocomplete") -> Path:
     """A model with no config.pbtxt: FP32 [batch, 4] -> Mul by 2; everything comes from auto-complete."""
     two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])

@@ -28,19 +28,33 @@ class GraphTensor:
     shape: tuple[int, ...]  # -1 for a dynamic dimension
 
 
+# A graph's real inputs, its outputs, and its overridable initializers (inputs with a default value).
+_Signature = tuple[list[GraphTensor], list[GraphTensor], list[GraphTensor]]
+
+
 def read_signature(model_path: Path) -> tuple[list[GraphTensor], list[GraphTensor]]:
     """The graph's real inputs (initializers excluded) and outputs, without loading external weights.
 
     A load asks twice (auto-complete, then the instance layout): the file is parsed once per content."""
-    stat = model_path.stat()
-    inputs, outputs = _signature(model_path, stat.st_mtime_ns, stat.st_size)
+    inputs, outputs, _ = _cached_signature(model_path)
     return list(inputs), list(outputs)  # the cached lists stay unshared
 
 
+def read_overridable_inputs(model_path: Path) -> list[GraphTensor]:
+    """Graph inputs that have an initializer: a request may feed them or leave them to their default, so a config
+    may list them as (optional) inputs, as Triton's onnxruntime backend allows. Auto-complete never adds them."""
+    return list(_cached_signature(model_path)[2])
+
+
+def _cached_signature(model_path: Path) -> _Signature:
+    stat = model_path.stat()
+    return _signature(model_path, stat.st_mtime_ns, stat.st_size)
+
+
 @functools.lru_cache(maxsize=64)
-def _signature(model_path: Path, mtime_ns: int, size: int) -> tuple[list[GraphTensor], list[GraphTensor]]:
+def _signature(model_path: Path, mtime_ns: int, size: int) -> _Signature:
     if is_package(model_path):
-        return _package_signature(model_path)
+        return (*_package_signature(model_path), [])
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError, OSError, ... for a broken file
@@ -48,7 +62,8 @@ def _signature(model_path: Path, mtime_ns: int, size: int) -> tuple[list[GraphTe
     initializers = {init.name for init in model.graph.initializer}
     inputs = [_tensor(v, model_path) for v in model.graph.input if v.name not in initializers]
     outputs = [_tensor(v, model_path) for v in model.graph.output]
-    return inputs, outputs
+    overridable = [_tensor(v, model_path) for v in model.graph.input if v.name in initializers]
+    return inputs, outputs, overridable
 
 
 def _package_signature(path: Path) -> tuple[list[GraphTensor], list[GraphTensor]]:

@@ -11,7 +11,7 @@ from tritonclient.grpc import model_config_pb2
 
 from geserve import devices
 from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelSource
-from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_signature
+from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_overridable_inputs, read_signature
 from geserve.backends.ge.compiled import apply_gears, compile_on_load, find_package, load_graph, wants_compile
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
@@ -118,8 +118,9 @@ def _placements(config: ModelConfig, options: GeOptions) -> list[tuple[str, int,
 def _layout(config: ModelConfig, path: Path) -> ModelLayout:
     """Check the config against the graph's signature and precompute the per-tensor reshapes."""
     graph_inputs, graph_outputs = read_signature(path)
+    feedable = graph_inputs + read_overridable_inputs(path)
     batching = config.max_batch_size > 0
-    inputs = {t.name: _tensor_layout(config, t, graph_inputs, "input", path, batching) for t in config.input}
+    inputs = {t.name: _tensor_layout(config, t, feedable, "input", path, batching) for t in config.input}
     outputs = {t.name: _tensor_layout(config, t, graph_outputs, "output", path, batching) for t in config.output}
     missing = {t.name for t in graph_inputs} - set(inputs)
     if missing:

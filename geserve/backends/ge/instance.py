@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -81,10 +82,7 @@ class GeInstance(ModelInstance):
         """Several requests in one session run: inputs joined along the batch axis, outputs split back."""
         sizes = [r.batch_size for r in requests]
         total = sum(sizes)
-        feed = {
-            t.name: self._feed(t.name, np.concatenate([r.inputs[i].data for r in requests]), total)
-            for i, t in enumerate(requests[0].inputs)
-        }
+        feed = {name: self._feed(name, np.concatenate(parts), total) for name, parts in _joined(requests).items()}
         names = list(self._layout.output_names)
         fed = time.monotonic_ns()
         results = dict(zip(names, self._run(names, feed), strict=True))
@@ -129,6 +127,26 @@ def _ortvalue_to_numpy(value: ort.OrtValue) -> np.ndarray:
     count = int(np.prod(shape))
     raw = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(value.data_ptr())) if count else np.empty(0)
     return raw.astype(np.uint16, copy=True).view(ml_dtypes.bfloat16).reshape(shape)
+
+
+def _joined(requests: list[InferenceRequest]) -> dict[str, list[np.ndarray]]:
+    """Each input's arrays from every request, by name (a request may leave optional inputs out, in any order)."""
+    columns: dict[str, list[np.ndarray]] = {t.name: [] for t in requests[0].inputs}
+    for request in requests:
+        for tensor in request.inputs:
+            column = columns.get(tensor.name)
+            if column is None:
+                _refuse_mixed(requests)
+            column.append(tensor.data)
+    if any(len(parts) != len(requests) for parts in columns.values()):  # some request left an input out
+        _refuse_mixed(requests)
+    return columns
+
+
+def _refuse_mixed(requests: list[InferenceRequest]) -> NoReturn:
+    """A scheduler batches only requests that carry the same inputs; joining others would feed one's to another."""
+    carried = sorted({tuple(t.name for t in r.inputs) for r in requests})
+    raise InternalError(f"the requests of one batch carry different inputs {carried}; they cannot run together")
 
 
 def _requested_names(request: InferenceRequest, every: tuple[str, ...]) -> list[str]:
