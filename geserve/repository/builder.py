@@ -58,6 +58,8 @@ class PreparedModel:
 
 
 class ModelBuilder:
+    """Reads, completes and validates configs, and builds model versions from them; holds no model state."""
+
     def __init__(self, registry: BackendRegistry, options: LifecycleOptions) -> None:
         self._registry = registry
         self._options = options

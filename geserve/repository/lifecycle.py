@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelManager:
+    """What the server asks of the repository. Deciding lives here, doing in `VersionLifecycle` (one model's
+    versions under its lock) and `ModelBuilder` (a config into a servable model); neither calls back."""
+
     def __init__(self, store: ModelStore, registry: BackendRegistry, options: LifecycleOptions) -> None:
         self._store = store
         self._builder = ModelBuilder(registry, options)

@@ -36,6 +36,8 @@ class ModelRecord:
 
 
 class VersionLifecycle:
+    """Puts one model's versions in and out of service, under its lock; it never loads another model."""
+
     def __init__(self, builder: ModelBuilder) -> None:
         self._builder = builder
 
