@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
-_Job = tuple[list[InferenceRequest], "asyncio.Future[Execution]", asyncio.AbstractEventLoop]
+_Job = tuple[list[InferenceRequest], asyncio.Future[Execution], asyncio.AbstractEventLoop]
 
 
 class Worker:
