@@ -1,24 +1,23 @@
 """The ensemble scheduler: runs an ensemble's steps as a DAG, each step through its model's own data-plane path.
 
 A step starts as soon as every tensor it reads exists, so independent branches run concurrently. Each step is a
-plain inference request to the data plane (`InferenceHost.infer`): validation, the step model's scheduler (its
-dynamic batcher included) and its statistics all apply. Tensors pass between steps as the same numpy arrays.
-
-An ensemble with a decoupled step is decoupled itself, as in Triton: each response of that step runs the steps
-after it once more, and each such run that completes the ensemble's outputs is one response of the ensemble.
+plain inference request to the data plane (`InferenceHost.infer`; `infer_stream` for a decoupled step): validation,
+the step model's scheduler (its dynamic batcher included) and its statistics all apply. Tensors pass between steps
+as the same numpy arrays. The request opens one run of the steps that follow no decoupled step (see `StepPlan.scope`)
+and each response of a decoupled step one run of the steps after it; each completed run of the answering scope is a
+response: a plain ensemble's one run is its response, a decoupled ensemble streams them to `request.stream`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 
 from geserve.backends.base import InferenceHost
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError
-from geserve.scheduling.ensemble_plan import EnsemblePlan, Route, StepPlan
+from geserve.scheduling.ensemble_plan import EnsemblePlan, StepPlan
 from geserve.scheduling.inflight import InflightTracker
 from geserve.statistics import ModelStatistics
 from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
@@ -26,6 +25,11 @@ from geserve.types.streams import StreamResponse
 
 # An ensemble tensor's value and the batch size of the request that made it (0: made without batching).
 _Value = tuple[InputTensor | None, int]
+# What one call of a step made (None: nothing, as a final flag sent alone) and whether the step is done.
+_Made = tuple[dict[str, _Value] | None, bool]
+# Where a run of the answering scope waits for the requested outputs, beside its steps' indexes.
+_ANSWER = -1
+_ENDED = StreamResponse(None, final=True)  # a stream that ends without the final flag: as if it came alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +78,22 @@ class EnsembleScheduler:
     def inflight_count(self) -> int:
         return self._inflight.count
 
-    async def enqueue(self, request: InferenceRequest) -> InferenceResponse | None:
-        """The response; for a decoupled ensemble, None once every response went to `request.stream`."""
+    async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
+        """The response; for a decoupled ensemble, an empty one once every response went to `request.stream` (as a
+        decoupled Python model answers)."""
         self._inflight.enter(request.model_name)
         try:
-            if self._plan.decoupled:
-                await self._stream(request)
-                return None
-            return await self._run(request)
+            enqueued = time.monotonic_ns()
+            execution = _Execution(self._plan, self._host, request)
+            started = time.monotonic_ns()
+            response = await execution.run()
+            compute = execution.compute
+            self._statistics.record_execution(
+                1, request.batch_size, [started - enqueued], compute.input_ns, compute.infer_ns, compute.output_ns
+            )
+            if request.compute is not None:  # an ensemble inside an ensemble: the outer one reports this compute
+                request.compute.add_times(compute)
+            return response
         finally:
             self._inflight.leave()
 
@@ -89,33 +101,216 @@ class EnsembleScheduler:
         """Let the ensemble requests in flight finish; there are no instances to release."""
         await self._inflight.drain()
 
-    async def _run(self, request: InferenceRequest) -> InferenceResponse:
-        plan = self._plan
-        enqueued = time.monotonic_ns()
-        wanted, values = self._start(request)
-        route = plan.route(frozenset(wanted))
-        waiting = {i: sum(1 for t in plan.steps[i].reads if t not in values) for i in route.steps}
-        sink = ComputeTimes()
-        started = time.monotonic_ns()
-        await self._execute(request, route, values, waiting, sink)
-        response = self._response(request, wanted, [values.get(name, (None, 0)) for name in wanted])
-        self._record(request, enqueued, started, sink)
-        return response
 
-    def _start(self, request: InferenceRequest) -> tuple[tuple[str, ...], dict[str, _Value]]:
-        """The outputs `request` wants, in order, and its inputs as ensemble tensors (optional ones left out: None)."""
-        plan = self._plan
-        wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
+@dataclass(slots=True)
+class _Run:
+    """One run of a scope: the tensors made in it (those of enclosing runs are read through `parent`)."""
+
+    parent: _Run | None
+    scope: int | None
+    values: dict[str, _Value]
+    unread: dict[str, int]  # tensor -> readers in this run yet to finish (see Route.releasable)
+    waiting: dict[int, int] = field(default_factory=dict)  # step (or _ANSWER) -> tensors it still waits for
+    watchers: dict[str, list[tuple[_Run, int]]] = field(default_factory=dict)  # tensor to be made here -> waiting
+
+
+@dataclass(slots=True)
+class _Call:
+    """One step's request in one run; a decoupled step's call is read once per response until its last."""
+
+    run: _Run
+    step: StepPlan
+    request: InferenceRequest
+    responses: AsyncIterator[StreamResponse] | None = None
+
+
+class _Execution:
+    """One ensemble request: its runs, the calls ready to go and in flight, and the first failure.
+
+    After a failure no step starts and no response goes out; steps already running finish first, except that a
+    decoupled step is no longer read (its stream is cancelled: it may run on for long)."""
+
+    __slots__ = ("_answered", "_error", "_host", "_plan", "_ready", "_request", "_response", "_route", "_tasks",
+                 "_wanted", "compute")
+
+    def __init__(self, plan: EnsemblePlan, host: InferenceHost, request: InferenceRequest) -> None:
+        self._plan = plan
+        self._host = host
+        self._request = request
+        self._wanted = tuple(dict.fromkeys(o.name for o in request.outputs)) if request.outputs else plan.outputs
+        self._route = plan.route(frozenset(self._wanted))
+        self.compute = ComputeTimes()  # the steps' compute, added by their schedulers
+        self._ready: list[_Call] = []
+        self._tasks: dict[asyncio.Task[_Made], _Call] = {}
+        self._answered: list[_Run] = []  # runs whose requested outputs all exist, to answer with
+        self._error: GeserveError | None = None
+        self._response: InferenceResponse | None = None
+
+    async def run(self) -> InferenceResponse:
+        plan, request = self._plan, self._request
         batch = request.batch_size if plan.batching else 0
-        values: dict[str, _Value] = {t.name: (t, batch) for t in request.inputs}
-        for name in plan.optional_inputs:
-            values.setdefault(name, (None, batch))
-        return wanted, values
+        given: dict[str, _Value] = {t.name: (t, batch) for t in request.inputs}
+        for name in plan.optional_inputs:  # left out: None, as Triton leaves them out of the steps
+            given.setdefault(name, (None, batch))
+        root = self._open(None, None, given)
+        await self._drive()
+        if self._error is not None:
+            raise self._error
+        stream = request.stream
+        if stream is None:
+            # Its one run answered, unless an output never came: then this raises Triton's deadlock error.
+            return self._response if self._response is not None else self._respond(root)
+        if not stream.final_sent:
+            stream.send(StreamResponse(None, final=True))
+        return InferenceResponse(request.model_name, request.model_version, [], id=request.id)
 
-    def _response(self, request: InferenceRequest, wanted: tuple[str, ...], values: list[_Value]) -> InferenceResponse:
-        plan = self._plan
+    async def _drive(self) -> None:
+        """Start each call once its inputs exist, until none is ready or in flight."""
+        ready, tasks = self._ready, self._tasks
+        try:
+            while ready or tasks:
+                if len(ready) == 1 and not tasks:
+                    # One call and none in flight (a chain): awaited here, without a task to schedule.
+                    call = ready.pop()
+                    try:
+                        made, done = await self._advance(call)
+                    except Exception as exc:
+                        self._fail(_in_ensemble(self._plan.name, exc))
+                    else:
+                        self._settle(call, made, done)
+                else:
+                    await self._run_concurrently()
+                self._answer()
+        except BaseException:
+            # The ensemble request itself was cancelled, or a run found an output missing: its steps go with it.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _run_concurrently(self) -> None:
+        """Start the ready calls as tasks and settle those that finish first."""
+        tasks = self._tasks
+        for call in self._ready:
+            tasks[asyncio.create_task(self._advance(call))] = call
+        self._ready.clear()
+        # Returning drops `finished`: a finished task holds what its step made until the task goes.
+        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in finished:
+            call = tasks.pop(task)
+            if task.cancelled():
+                continue
+            error = task.exception()
+            if error is not None:
+                self._fail(_in_ensemble(self._plan.name, error))
+            elif self._error is None:
+                self._settle(call, *task.result())
+
+    async def _advance(self, call: _Call) -> _Made:
+        """Run `call`'s step, or read a decoupled step's next response."""
+        step, request = call.step, call.request
+        if not step.decoupled:
+            return self._made(step, request, await self._host.infer(request)), True
+        if call.responses is None:
+            call.responses = self._host.infer_stream(request)
+        item = await anext(call.responses, _ENDED)
+        if item.error is not None:
+            raise item.error
+        if item.final:
+            await anext(call.responses, None)  # read on to the stream's end, where the host closes the step's request
+        return (None if item.response is None else self._made(step, request, item.response)), item.final
+
+    def _settle(self, call: _Call, made: dict[str, _Value] | None, done: bool) -> None:
+        if made is not None:
+            if call.step.decoupled:
+                self._open(call.run, call.step.index, made)
+            else:
+                self._set(call.run, made)
+        if not done:
+            self._ready.append(call)  # a decoupled step: read its next response
+            return
+        # An intermediate tensor is dropped once the last step reading it has finished, as Triton frees it.
+        unread = call.run.unread
+        for tensor in call.step.reads:
+            if tensor in unread:
+                unread[tensor] -= 1
+                if unread[tensor] == 0:
+                    call.run.values.pop(tensor, None)
+
+    def _fail(self, error: GeserveError) -> None:
+        if self._error is None:
+            self._error = error
+        # A decoupled step between two of its responses is let go with the ready calls: its stream, an async
+        # generator, closes once dropped.
+        self._ready.clear()
+        self._answered.clear()
+        for task, call in self._tasks.items():
+            if call.responses is not None:
+                task.cancel()
+
+    def _open(self, parent: _Run | None, scope: int | None, given: dict[str, _Value]) -> _Run:
+        """A new run of `scope` holding `given`; its steps start once what they read exists."""
+        route = self._route
+        run = _Run(parent, scope, given, dict(route.releasable))
+        for index in route.scope_steps.get(scope, ()):
+            self._wait(run, index, self._plan.steps[index].reads)
+        if scope == route.emit_scope:
+            self._wait(run, _ANSWER, self._wanted)
+        return run
+
+    def _wait(self, run: _Run, index: int, reads: Iterable[str]) -> None:
+        missing = 0
+        for tensor in reads:
+            holder = self._holder(run, tensor)
+            if tensor not in holder.values:
+                missing += 1
+                holder.watchers.setdefault(tensor, []).append((run, index))
+        if missing:
+            run.waiting[index] = missing
+        else:
+            self._enable(run, index)
+
+    def _set(self, run: _Run, made: dict[str, _Value]) -> None:
+        for tensor, value in made.items():
+            run.values[tensor] = value
+            for waiter, index in run.watchers.pop(tensor, ()):
+                waiter.waiting[index] -= 1
+                if waiter.waiting[index] == 0:
+                    self._enable(waiter, index)
+
+    def _enable(self, run: _Run, index: int) -> None:
+        """Everything step `index` (or the answer) of `run` reads exists."""
+        if index == _ANSWER:
+            self._answered.append(run)
+            return
+        step = self._plan.steps[index]
+        inputs = []
+        for item in step.inputs:
+            tensor, made_with = self._value(run, item.tensor)
+            if tensor is not None:  # absent: an optional input left out, as Triton leaves it out
+                inputs.append(_adapt(tensor, item.model_input, item.dims, step.batching, made_with))
+        request, outputs = self._request, [RequestedOutput(name) for name in self._route.step_outputs[index]]
+        self._ready.append(_Call(run, step, InferenceRequest(
+            step.model, step.version, inputs, outputs, id=request.id, parameters=request.parameters,
+            priority=request.priority, timeout_us=request.timeout_us, compute=self.compute,
+        )))
+
+    def _answer(self) -> None:
+        """Answer with each completed run: the response of a plain ensemble, else one streamed response, flagged
+        final when nothing else of the request is left to run (else the final flag follows alone)."""
+        answered, stream = self._answered, self._request.stream
+        while answered:
+            response = self._respond(answered.pop(0))
+            if stream is None:
+                self._response = response
+            else:
+                stream.send(StreamResponse(response, final=not (answered or self._ready or self._tasks)))
+
+    def _respond(self, run: _Run) -> InferenceResponse:
+        plan, request = self._plan, self._request
         outputs = []
-        for name, (tensor, made_with) in zip(wanted, values, strict=True):
+        for name in self._wanted:
+            tensor, made_with = self._value(run, name)
             if tensor is None:
                 raise InvalidArgumentError(
                     f"in ensemble '{plan.name}', [request id: {request.id or '<id_unknown>'}] unexpected deadlock, "
@@ -124,225 +319,23 @@ class EnsembleScheduler:
             outputs.append(_adapt(tensor, name, plan.output_dims[name], plan.batching, made_with))
         return InferenceResponse(request.model_name, request.model_version, outputs, id=request.id)
 
-    def _record(self, request: InferenceRequest, enqueued: int, started: int, sink: ComputeTimes) -> None:
-        self._statistics.record_execution(
-            1, request.batch_size, [started - enqueued], sink.input_ns, sink.infer_ns, sink.output_ns
-        )
-        if request.compute is not None:  # an ensemble inside an ensemble: the outer one reports this compute
-            request.compute.add_times(sink)
+    def _holder(self, run: _Run, tensor: str) -> _Run:
+        """The run of `run`'s chain that holds `tensor`: the one of the scope it is made in."""
+        scope = self._plan.tensor_scope.get(tensor)
+        while run.scope != scope and run.parent is not None:
+            run = run.parent
+        return run
 
-    async def _stream(self, request: InferenceRequest) -> None:
-        """Run a decoupled ensemble: each response of a decoupled step opens a scope in which the steps after it
-        run once more; each completed run of the route's emitting scope is one response on `request.stream`.
+    def _value(self, run: _Run, tensor: str) -> _Value:
+        return self._holder(run, tensor).values.get(tensor, (None, 0))
 
-        The first step failure cancels the request's other tasks and fails the request. A response goes out
-        flagged final when nothing else of the request is still running; otherwise the final flag follows alone
-        once everything has finished."""
-        plan = self._plan
-        enqueued = time.monotonic_ns()
-        wanted, given = self._start(request)
-        route = plan.route(frozenset(wanted))
-        stream = request.stream
-        loop = asyncio.get_running_loop()
-        sink = ComputeTimes()
-        tasks: set[asyncio.Task[None]] = set()
-        live = [0]  # tasks still running; unlike `tasks`, counted down the moment one ends
-        failures: list[BaseException] = []
-        finished: asyncio.Future[None] = loop.create_future()
-
-        def settled(value: _Value) -> asyncio.Future[_Value]:
-            future: asyncio.Future[_Value] = loop.create_future()
-            future.set_result(value)
-            return future
-
-        async def tracked(work: Coroutine[Any, Any, None]) -> None:
-            try:
-                await work
-            finally:
-                live[0] -= 1
-
-        def spawn(work: Coroutine[Any, Any, None]) -> None:
-            live[0] += 1
-            task = loop.create_task(tracked(work))
-            tasks.add(task)
-            task.add_done_callback(ended)
-
-        def ended(task: asyncio.Task[None]) -> None:
-            tasks.discard(task)
-            if not task.cancelled() and task.exception() is not None and not failures:
-                failures.append(task.exception())
-                for other in tasks:
-                    other.cancel()
-            if not tasks and not finished.done():
-                finished.set_result(None)
-
-        def open_scope(parent: _Scope | None, scope: int | None, given: dict[str, _Value]) -> None:
-            tensors = {name: settled(value) for name, value in given.items()}
-            for index in route.scope_steps.get(scope, ()):
-                step = plan.steps[index]
-                if not step.decoupled:  # a decoupled step's outputs live in the scopes its responses open
-                    for output in route.step_outputs[index]:
-                        tensors[step.outputs[output]] = loop.create_future()
-            here = _Scope(parent, tensors)
-            for index in route.scope_steps.get(scope, ()):
-                spawn(run_step(plan.steps[index], here))
-            if scope == route.emit_scope:
-                spawn(emit(here))
-
-        async def run_step(step: StepPlan, scope: _Scope) -> None:
-            values = [await scope.get(item.tensor) for item in step.inputs]
-            step_request = self._step_request(step, route, request, values, sink)
-            if not step.decoupled:
-                response = await self._host.infer(step_request)
-                for tensor, value in self._produced(step, route, step_request, response).items():
-                    scope.tensors[tensor].set_result(value)
-                return
-            async for item in self._host.infer_stream(step_request):
-                if item.error is not None:
-                    raise item.error
-                if item.response is not None:
-                    open_scope(scope, step.index, self._produced(step, route, step_request, item.response))
-
-        async def emit(scope: _Scope) -> None:
-            response = self._response(request, wanted, [await scope.get(name) for name in wanted])
-            stream.send(StreamResponse(response, final=live[0] == 1))
-
-        started = time.monotonic_ns()
-        open_scope(None, None, given)
-        try:
-            await finished
-        except BaseException:
-            # The ensemble request itself was cancelled: its steps go with it.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        if failures:
-            raise _in_ensemble(plan.name, failures[0])
-        if not stream.final_sent:
-            stream.send(StreamResponse(None, final=True))
-        self._record(request, enqueued, started, sink)
-
-    async def _execute(
-        self,
-        request: InferenceRequest,
-        route: Route,
-        values: dict[str, _Value],
-        waiting: dict[int, int],
-        sink: ComputeTimes,
-    ) -> None:
-        """Start each step once its inputs exist; raise the first step error once no step is in flight.
-
-        An intermediate tensor is dropped once the last step reading it has finished, so a long pipeline holds
-        only the tensors still to be read, as Triton frees them."""
-        plan = self._plan
-        ready = [index for index, count in waiting.items() if count == 0]
-        tasks: dict[asyncio.Task, int] = {}
-        error: BaseException | None = None
-        unread = dict(route.releasable)
-
-        def produced(index: int, result: dict[str, _Value]) -> None:
-            for tensor in plan.steps[index].reads:
-                if tensor in unread:
-                    unread[tensor] -= 1
-                    if unread[tensor] == 0:
-                        values.pop(tensor, None)
-            for tensor, value in result.items():
-                values[tensor] = value
-                for index in plan.consumers.get(tensor, ()):
-                    if index in waiting:
-                        waiting[index] -= 1
-                        if waiting[index] == 0:
-                            ready.append(index)
-
-        try:
-            while ready or tasks:
-                if len(ready) == 1 and not tasks:
-                    # One step and none in flight (a chain): awaited here, without a task to schedule.
-                    index = ready.pop()
-                    try:
-                        result = await self._run_step(plan.steps[index], route, request, values, sink)
-                    except Exception as exc:
-                        error = exc
-                        break
-                    produced(index, result)
-                    continue
-                for index in ready:
-                    step = self._run_step(plan.steps[index], route, request, values, sink)
-                    tasks[asyncio.ensure_future(step)] = index
-                ready.clear()
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    index = tasks.pop(task)
-                    if task.exception() is not None:
-                        error = error or task.exception()
-                    elif error is None:
-                        produced(index, task.result())
-                if error is not None:
-                    ready.clear()  # no new steps once one failed; the ones in flight are waited for
-        except BaseException:
-            # The ensemble request itself was cancelled: its steps go with it.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        if error is not None:
-            raise _in_ensemble(plan.name, error)
-
-    async def _run_step(
-        self, step: StepPlan, route: Route, request: InferenceRequest, values: dict[str, _Value], sink: ComputeTimes
-    ) -> dict[str, _Value]:
-        step_request = self._step_request(step, route, request, [values[item.tensor] for item in step.inputs], sink)
-        return self._produced(step, route, step_request, await self._host.infer(step_request))
-
-    def _step_request(
-        self, step: StepPlan, route: Route, request: InferenceRequest, values: list[_Value], sink: ComputeTimes
-    ) -> InferenceRequest:
-        """`values` are those of `step.inputs`, in order."""
-        inputs = []
-        for item, (tensor, made_with) in zip(step.inputs, values, strict=True):
-            if tensor is not None:  # absent: an optional input left out, as Triton leaves it out
-                inputs.append(_adapt(tensor, item.model_input, item.dims, step.batching, made_with))
-        return InferenceRequest(
-            step.model,
-            step.version,
-            inputs,
-            outputs=[RequestedOutput(name) for name in route.step_outputs[step.index]],
-            id=request.id,
-            parameters=request.parameters,
-            priority=request.priority,
-            timeout_us=request.timeout_us,
-            compute=sink,
-        )
-
-    @staticmethod
-    def _produced(
-        step: StepPlan, route: Route, step_request: InferenceRequest, response: InferenceResponse
-    ) -> dict[str, _Value]:
-        made_with = step_request.batch_size if step.batching else 0
-        produced: dict[str, _Value] = {step.outputs[o]: (None, made_with) for o in route.step_outputs[step.index]}
+    def _made(self, step: StepPlan, request: InferenceRequest, response: InferenceResponse) -> dict[str, _Value]:
+        """The ensemble tensors `response` of `step` makes; those it was asked for and left out are None."""
+        made_with = request.batch_size if step.batching else 0
+        outputs = self._route.step_outputs[step.index]
+        made: dict[str, _Value] = {step.outputs[o]: (None, made_with) for o in outputs}
         for output in response.outputs:
             tensor = step.outputs.get(output.name)
             if tensor is not None:
-                produced[tensor] = (output, made_with)
-        return produced
-
-
-class _Scope:
-    """The tensors of one run of a scope (see StepPlan.scope); those of enclosing runs are read through `parent`."""
-
-    __slots__ = ("parent", "tensors")
-
-    def __init__(self, parent: _Scope | None, tensors: dict[str, asyncio.Future[_Value]]) -> None:
-        self.parent = parent
-        self.tensors = tensors
-
-    async def get(self, name: str) -> _Value:
-        scope: _Scope | None = self
-        while scope is not None:
-            future = scope.tensors.get(name)
-            if future is not None:
-                return await future
-            scope = scope.parent
-        return None, 0
-
+                made[tensor] = (output, made_with)
+        return made

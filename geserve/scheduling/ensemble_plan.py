@@ -97,11 +97,11 @@ class EnsemblePlan:
             if index is not None and index not in needed:
                 needed.add(index)
                 pending.extend(self.steps[index].reads)
-        readers: dict[str, int] = {}
-        for index in needed:
-            for tensor in self.steps[index].reads:
-                readers[tensor] = readers.get(tensor, 0) + 1
-        kept = {t for t in readers if t not in outputs}  # intermediates, released after their last reader
+        read = {tensor for index in needed for tensor in self.steps[index].reads}
+        readers = {tensor: [i for i in self.consumers[tensor] if i in needed] for tensor in read}
+        # Released after their last reader: the intermediates that no run of a later scope may still read.
+        releasable = {t: len(r) for t, r in readers.items()
+                      if t not in outputs and all(self.steps[i].scope == self.tensor_scope.get(t) for i in r)}
         step_outputs = {
             index: tuple(o for o, t in self.steps[index].outputs.items() if t in readers or t in outputs)
             for index in needed
@@ -111,8 +111,8 @@ class EnsemblePlan:
             scope_steps.setdefault(self.steps[index].scope, []).append(index)
         # Checked at build: the outputs' scopes nest, so the deepest one sees them all.
         emit_scope = max((self.tensor_scope.get(t) for t in outputs), key=self._depth, default=None)
-        return Route(frozenset(needed), {t: readers[t] for t in kept}, step_outputs,
-                     {k: tuple(v) for k, v in scope_steps.items()}, emit_scope)
+        return Route(frozenset(needed), releasable, step_outputs, {k: tuple(v) for k, v in scope_steps.items()},
+                     emit_scope)
 
     def _depth(self, scope: int | None) -> int:
         depth = 0
@@ -126,7 +126,8 @@ class Route:
     """The steps one set of requested outputs needs, what each of them must return, and who reads what."""
 
     steps: frozenset[int]
-    releasable: dict[str, int]  # intermediate tensor -> how many of `steps` read it; dropped after the last one
+    # Intermediate tensor -> how many of `steps` read it, in the run that holds it; dropped after the last one.
+    releasable: dict[str, int]
     step_outputs: dict[int, tuple[str, ...]]  # step -> the model outputs some needed step or the request reads
     scope_steps: dict[int | None, tuple[int, ...]] = field(default_factory=dict)  # StepPlan.scope -> steps
     emit_scope: int | None = None  # each run of this scope answers the request once
