@@ -1,4 +1,4 @@
-"""The public in-process API: a Server without any frontend, driven through its data plane."""
+"""The public in-process API: a Server without any frontend, driven through its inference service."""
 
 from __future__ import annotations
 

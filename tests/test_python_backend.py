@@ -222,7 +222,7 @@ def test_model_logs_go_to_the_server_log(server: RunningServer) -> None:
 
 
 def test_in_process_stream_bls_and_finalize(repo: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The data plane directly: infer_stream yields each response, and unloading calls finalize()."""
+    """The service directly: infer_stream yields each response, and unloading calls finalize()."""
 
     async def run() -> None:
         server = Server(ServerSettings(model_repositories=[repo], allow_http=False, allow_grpc=False,

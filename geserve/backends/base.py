@@ -45,7 +45,7 @@ class ModelSource:
 
 
 class InferenceHost(Protocol):
-    """The server's own data plane as models see it: BLS calls and ensemble steps go through it."""
+    """The server's inference service as models see it: BLS calls and ensemble steps go through it."""
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Run `request` on its model (validation, scheduler, statistics), as a frontend would."""
@@ -113,7 +113,7 @@ class Backend(Protocol):
         ...
 
 
-# Builds a backend from its `--backend-config` settings, the server's data plane and the custom metric store.
+# Builds a backend from its `--backend-config` settings, the server's inference service and the custom metric store.
 BackendFactory = Callable[[BackendSettings, InferenceHost, CustomMetricStore], Backend]
 
 

@@ -37,7 +37,7 @@ class BackendRegistry:
         return self._host
 
     def attach_host(self, host: InferenceHost) -> None:
-        """The data plane, which is built after the registry (it needs the model manager)."""
+        """The service's model host, which is built after the registry (it needs the model manager)."""
         self._host = host
 
     def complete_platform(self, config: ModelConfig, model_dir: Path) -> None:

@@ -1,1 +1,1 @@
-"""Frontends: thin translators between wire protocols (HTTP, gRPC, metrics) and the data plane."""
+"""Frontends: thin translators between wire protocols (HTTP, gRPC, metrics) and geserve.service."""

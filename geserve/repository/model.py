@@ -1,4 +1,4 @@
-"""A loaded model version as the data plane sees it: config, scheduler, statistics and precomputed checks."""
+"""A loaded model version as the service sees it: config, scheduler, statistics and precomputed checks."""
 
 from __future__ import annotations
 

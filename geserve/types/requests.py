@@ -42,7 +42,7 @@ class InferenceRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     timeout_us: int = 0
-    # Set by the data plane once validated: rows this request contributes to a batch (1 without batching).
+    # Set by the service once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
     # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the
     # ensemble reports the compute of its steps, as Triton's does.

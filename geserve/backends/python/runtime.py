@@ -17,7 +17,7 @@ from geserve.errors import GeserveError, InternalError, UnavailableError
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.streams import StreamResponse
 
-_default_host: InferenceHost | None = None  # the server's data plane (one server per process, usually)
+_default_host: InferenceHost | None = None  # the server's inference service (one server per process, usually)
 _local = threading.local()  # `host` of the instance running on this thread, when several servers share a process
 
 
@@ -46,7 +46,7 @@ def _host_and_loop() -> tuple[InferenceHost, asyncio.AbstractEventLoop]:
 
 
 def infer(request: InferenceRequest) -> concurrent.futures.Future[InferenceResponse]:
-    """Run `request` through the host's data plane; the future raises GeserveError on failure."""
+    """Run `request` through the host (the server's inference service); the future raises GeserveError on failure."""
     host, loop = _host_and_loop()
     return asyncio.run_coroutine_threadsafe(host.infer(request), loop)
 
