@@ -11,9 +11,10 @@ from geserve.config import parse_config_text
 from geserve.scheduling.base import SCHEDULER_KINDS, create_scheduler
 from geserve.scheduling.direct import DirectScheduler
 from geserve.scheduling.dynamic_batcher import DynamicBatcher
-from geserve.scheduling.ensemble import EnsembleScheduler, EnsembleSetup
+from geserve.scheduling.ensemble import EnsembleScheduler
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
+from geserve.scheduling.scheduler import EnsembleSetup
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
 

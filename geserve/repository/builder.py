@@ -18,9 +18,9 @@ from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError
 from geserve.repository.model import LoadedModel, tensor_specs
 from geserve.repository.store import available_versions, select_versions
 from geserve.scheduling.base import create_scheduler
-from geserve.scheduling.ensemble import EnsembleSetup
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
+from geserve.scheduling.scheduler import EnsembleSetup
 from geserve.statistics import LatencyObserver, ModelStatistics
 
 logger = logging.getLogger(__name__)

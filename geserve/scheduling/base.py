@@ -5,26 +5,17 @@ and gets one line here."""
 from __future__ import annotations
 
 from geserve.config import ModelConfig
-from geserve.config.ensemble import is_ensemble
 from geserve.scheduling import direct, dynamic_batcher
-from geserve.scheduling.ensemble import EnsembleScheduler, EnsembleSetup
+from geserve.scheduling import ensemble as ensembles
 from geserve.scheduling.pool import InstancePool
-from geserve.scheduling.scheduler import Scheduler, SchedulerKind, SchedulerParts
+from geserve.scheduling.scheduler import EnsembleSetup, Scheduler, SchedulerKind, SchedulerParts
 
 __all__ = ["SCHEDULER_KINDS", "Scheduler", "create_scheduler"]
 
 
-def _build_ensemble(parts: SchedulerParts) -> Scheduler:
-    setup = parts.ensemble_setup()
-    return EnsembleScheduler(setup.plan, setup.host, setup.statistics)
-
-
-# Declared here only because scheduling/ensemble.py is being rewritten; it belongs there, beside the others.
-_ENSEMBLE_KIND = SchedulerKind("ensemble", is_ensemble, _build_ensemble)
-
 # First match wins: the kinds that a config's `scheduling_choice` picks, then direct, which serves any model.
 SCHEDULER_KINDS: tuple[SchedulerKind, ...] = (
-    _ENSEMBLE_KIND,
+    ensembles.SCHEDULER_KIND,
     dynamic_batcher.SCHEDULER_KIND,
     direct.SCHEDULER_KIND,
 )

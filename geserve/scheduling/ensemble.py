@@ -1,7 +1,7 @@
-"""The ensemble scheduler: runs an ensemble's steps as a DAG, each step through its model's own data-plane path.
+"""The ensemble scheduler: runs an ensemble's steps as a DAG, each step through its model's own path in the service.
 
 A step starts as soon as every tensor it reads exists, so independent branches run concurrently. Each step is a
-plain inference request to the data plane (`InferenceHost.infer`; `infer_stream` for a decoupled step): validation,
+plain inference request to the service (`InferenceHost.infer`; `infer_stream` for a decoupled step): validation,
 the step model's scheduler (its dynamic batcher included) and its statistics all apply. Tensors pass between steps
 as the same numpy arrays. The request opens one run of the steps that follow no decoupled step (see `StepPlan.scope`)
 and each response of a decoupled step one run of the steps after it; each completed run of the answering scope is a
@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from geserve.backends.base import InferenceHost
+from geserve.config.ensemble import is_ensemble
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError
 from geserve.scheduling.ensemble_plan import EnsemblePlan, StepPlan
 from geserve.scheduling.inflight import InflightTracker
+from geserve.scheduling.scheduler import Scheduler, SchedulerKind, SchedulerParts
 from geserve.statistics import ModelStatistics
-from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput, id_prefix
 from geserve.types.streams import StreamResponse
 
 # An ensemble tensor's value and the batch size of the request that made it (0: made without batching).
@@ -30,15 +32,6 @@ _Made = tuple[dict[str, _Value] | None, bool]
 # Where a run of the answering scope waits for the requested outputs, beside its steps' indexes.
 _ANSWER = -1
 _ENDED = StreamResponse(None, final=True)  # a stream that ends without the final flag: as if it came alone
-
-
-@dataclass(frozen=True, slots=True)
-class EnsembleSetup:
-    """What `create_scheduler` needs to build an ensemble's scheduler."""
-
-    plan: EnsemblePlan
-    host: InferenceHost
-    statistics: ModelStatistics
 
 
 def _dims_match(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -313,7 +306,7 @@ class _Execution:
             tensor, made_with = self._value(run, name)
             if tensor is None:
                 raise InvalidArgumentError(
-                    f"in ensemble '{plan.name}', [request id: {request.id or '<id_unknown>'}] unexpected deadlock, "
+                    f"in ensemble '{plan.name}', {id_prefix(request.id)}unexpected deadlock, "
                     f"at least one output is not set while no more ensemble steps can be made"
                 )
             outputs.append(_adapt(tensor, name, plan.output_dims[name], plan.batching, made_with))
@@ -339,3 +332,11 @@ class _Execution:
             if tensor is not None:
                 made[tensor] = (output, made_with)
         return made
+
+
+def _build(parts: SchedulerParts) -> Scheduler:
+    setup = parts.ensemble_setup()
+    return EnsembleScheduler(setup.plan, setup.host, setup.statistics)
+
+
+SCHEDULER_KIND = SchedulerKind("ensemble", is_ensemble, _build)

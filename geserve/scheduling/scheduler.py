@@ -7,9 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from geserve.backends.base import InferenceHost
 from geserve.config import ModelConfig
-from geserve.scheduling.ensemble import EnsembleSetup
+from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
+from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse
 
 
@@ -23,6 +25,15 @@ class Scheduler(Protocol):
 
     async def stop(self) -> None:
         """Serve or fail what is queued, wait for what is executing, release the instances."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnsembleSetup:
+    """What an ensemble's scheduler is built from: its plan, the host its steps call, its statistics."""
+
+    plan: EnsemblePlan
+    host: InferenceHost
+    statistics: ModelStatistics
 
 
 @dataclass(frozen=True, slots=True)
