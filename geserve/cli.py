@@ -51,10 +51,28 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--inline-execution-us", type=int, default=250,
         help="run executions typically shorter than this on the event loop (0: always on instance threads)")
     add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
+    add("--http-header-timeout-secs", type=float, default=15.0,
+        help="close a connection that has not sent a request's headers within this many seconds (408)")
+    add("--http-idle-timeout-secs", type=float, default=60.0, help="close keep-alive connections idle this long")
+    add("--http-body-timeout-secs", type=float, default=30.0,
+        help="abandon a request body that makes no progress for this many seconds (408)")
+    add("--http-max-header-size", type=int, default=64 * 1024, help="largest request line + headers (431 above)")
+    add("--http-max-header-count", type=int, default=100, help="most header fields per request (431 above)")
+    add("--http-max-connections", type=int, default=1024, help="most HTTP connections open at once")
     add("--grpc-port", type=int, default=8001)
     add("--grpc-address", default="0.0.0.0")
     add("--allow-grpc", type=_bool, nargs="?", const=True, default=True)
     add("--grpc-infer-allocation-pool-size", type=int, default=8, help="accepted for tritonserver compatibility")
+    add("--grpc-keepalive-time", dest="grpc_keepalive_time_ms", type=int, default=7_200_000,
+        help="period of keepalive pings, ms (Triton's default)")
+    add("--grpc-keepalive-timeout", dest="grpc_keepalive_timeout_ms", type=int, default=20_000,
+        help="how long a keepalive ping waits for its acknowledgement, ms")
+    add("--grpc-keepalive-permit-without-calls", type=_bool, nargs="?", const=True, default=False)
+    add("--grpc-http2-max-pings-without-data", type=int, default=2)
+    add("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
+        dest="grpc_http2_min_recv_ping_interval_without_data_ms", help="ms")
+    add("--grpc-http2-max-ping-strikes", type=int, default=2)
+    add("--grpc-max-concurrent-streams", type=int, default=1024, help="most concurrent calls per gRPC connection")
     add("--allow-system-shared-memory", type=_bool, nargs="?", const=True, default=False,
         help="let clients register system shared memory regions for inputs and outputs (off by default)")
     add("--metrics-port", type=int, default=8002, help="port of the Prometheus endpoint (GET /metrics)")
@@ -68,7 +86,11 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--metrics-config", action="append", type=_metrics_config, default=[],
         help="<setting>=<value> (repeatable): counter_latencies, summary_latencies, summary_quantiles, "
              "histogram_latencies")
-    add("--model-control-mode", choices=["none", "explicit"], default="none")
+    add("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
+    add("--repository-poll-secs", type=float, default=15.0, help="poll mode: seconds between repository scans")
+    add("--exit-timeout-secs", type=float, default=30.0,
+        help="on SIGTERM, how long in-flight requests get to finish before the server exits")
+    add("--id", dest="server_id", default="geserve", help="the server's name in its metadata")
     add("--load-model", dest="load_models", action="append", default=[],
         help="model to load at start in explicit mode (repeatable; '*' for all)")
     add("--strict-readiness", type=_bool, nargs="?", const=True, default=True)

@@ -41,7 +41,10 @@ class ServerSettings:
     """--metrics-config <key>=<value>: counter_latencies, summary_latencies, summary_quantiles,
     histogram_latencies (Triton's keys)."""
     model_control_mode: str = "none"
-    """none: load every model at start, refuse load/unload; explicit: load only --load-model, allow both."""
+    """none: load every model at start, refuse load/unload; explicit: load only --load-model, allow both;
+    poll: load every model at start and follow the repositories every --repository-poll-secs, refuse both."""
+    repository_poll_secs: float = 15.0
+    """poll mode: seconds between two scans of the repositories (Triton's default 15)."""
     load_models: list[str] = field(default_factory=list)
     strict_readiness: bool = True
     """As Triton: /v2/health/ready is true only while every model is ready."""
@@ -59,6 +62,37 @@ class ServerSettings:
     """Executions typically shorter than this run on the event loop instead of an instance thread (0: never)."""
     http_thread_count: int = 0
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
+    http_header_timeout_secs: float = 15.0
+    """A connection must deliver a request's line and headers within this many seconds of its first byte (or,
+    on a new connection, of connecting), else it is closed (408)."""
+    http_idle_timeout_secs: float = 60.0
+    """A keep-alive connection with no request under way is closed after this many idle seconds."""
+    http_body_timeout_secs: float = 30.0
+    """A request body that makes no progress for this many seconds is abandoned (408) and its connection closed."""
+    http_max_header_size: int = 64 * 1024
+    """Largest request line plus headers, in bytes; larger is answered 431 and the connection closed."""
+    http_max_header_count: int = 100
+    """Most header fields in one request; more is answered 431 and the connection closed."""
+    http_max_connections: int = 1024
+    """Most HTTP connections open at once; further ones wait in the listen backlog until one closes."""
+    grpc_keepalive_time_ms: int = 7_200_000
+    """Triton's --grpc-keepalive-time: period of the server's keepalive pings (ms)."""
+    grpc_keepalive_timeout_ms: int = 20_000
+    """Triton's --grpc-keepalive-timeout: how long to wait for a ping's acknowledgement (ms)."""
+    grpc_keepalive_permit_without_calls: bool = False
+    """Triton's --grpc-keepalive-permit-without-calls: allow keepalive pings on a connection with no call."""
+    grpc_http2_max_pings_without_data: int = 2
+    """Triton's --grpc-http2-max-pings-without-data (0: no limit)."""
+    grpc_http2_min_recv_ping_interval_without_data_ms: int = 300_000
+    """Triton's --grpc-http2-min-recv-ping-interval-without-data: a client pinging more often gets a strike (ms)."""
+    grpc_http2_max_ping_strikes: int = 2
+    """Triton's --grpc-http2-max-ping-strikes: strikes before the connection is closed (0: no limit)."""
+    grpc_max_concurrent_streams: int = 1024
+    """Most concurrent calls (HTTP/2 streams) one gRPC connection may open."""
+    exit_timeout_secs: float = 30.0
+    """Triton's --exit-timeout-secs: on SIGTERM, how long in-flight requests and streams get to finish."""
+    server_id: str = "geserve"
+    """Triton's --id: the name the server metadata reports."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
