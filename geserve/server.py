@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import time
 from collections.abc import Callable, Sequence
 
 from geserve import devices
@@ -68,6 +70,7 @@ class Server:
             shared_memory=SharedMemoryRegistry(settings.allow_system_shared_memory),
             log_settings=LogSettings(settings.log_verbose),
             policies=policies,
+            server_name=settings.server_id,
         )
         registry.attach_host(self.service.host)
         # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,
@@ -114,28 +117,57 @@ class Server:
                 await frontend.start()
                 self._started.append(frontend)
         except BaseException:
-            await self._stop_frontends()
+            await self._stop_frontends(time.monotonic() + self.settings.exit_timeout_secs)
             raise
 
-    async def _stop_frontends(self) -> None:
+    async def _stop_frontends(self, deadline: float) -> None:
         while self._started:
-            await self._started.pop().stop()
+            frontend = self._started.pop()
+            try:
+                await asyncio.wait_for(frontend.stop(), _left(deadline, minimum=1.0))
+            except asyncio.TimeoutError:  # not the builtin before 3.11
+                logger.warning("the %s frontend did not stop within the exit timeout", frontend.name)
 
     async def stop(self) -> None:
-        self.service.accepting = False
-        await self._stop_frontends()
+        """Triton's exit: readiness turns false and new requests are refused at once; the requests and streams in
+        flight get --exit-timeout-secs to finish; then the frontends close and the models unload."""
+        self.service.stop_accepting()
+        deadline = time.monotonic() + self.settings.exit_timeout_secs
+        if self.service.inflight:
+            logger.info("waiting up to %.0f s for %d in-flight requests", _left(deadline), self.service.inflight)
+        if not await self.service.wait_idle(_left(deadline)):
+            logger.warning("exit timeout: %d requests still in flight are abandoned", self.service.inflight)
+        await self._stop_frontends(deadline)
         self.service.shared_memory.close()
         await self.manager.shutdown()
 
     async def run_until_signalled(self) -> None:
+        """Serve until SIGINT or SIGTERM, then stop cleanly; a second signal while stopping exits at once."""
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
+
+        def first_signal() -> None:
+            logger.info("signal received, shutting down (a second signal exits at once)")
+            stop_requested.set()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, _exit_at_once)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop_requested.set)
+            loop.add_signal_handler(sig, first_signal)
         await self.start()
         await stop_requested.wait()
-        logger.info("signal received, shutting down")
         await self.stop()
+
+
+def _exit_at_once() -> None:
+    logger.warning("second signal received: exiting without waiting for requests in flight")
+    logging.shutdown()
+    os._exit(1)
+
+
+def _left(deadline: float, minimum: float = 0.0) -> float:
+    """Seconds until `deadline` (on time.monotonic's clock), at least `minimum`."""
+    return max(deadline - time.monotonic(), minimum)
 
 
 def _metrics_config(settings: ServerSettings) -> MetricsConfig:

@@ -9,7 +9,6 @@ from `raw_output_contents`. Deliberate differences are named where they are asse
 - a region registered at an offset that is not page aligned, which Triton refuses and geserve serves;
 - with `triton_grpc_error: true`, geserve ends the stream on any failed request; Triton 2.51 only on failures
   inside the model, keeping faults it finds before (unknown model, bad shape) in-band;
-- CUDA shared memory, which Triton serves and geserve answers UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -328,6 +327,17 @@ def test_repository_index(servers: Servers, ready: bool) -> None:
 def test_unregistering_an_unknown_region_is_no_error(servers: Servers) -> None:
     triton, geserve = servers.both("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name="x"))
     assert (triton.code, geserve.code) == (grpc.StatusCode.OK,) * 2
+
+
+def test_cuda_shared_memory_as_on_a_machine_without_gpus(servers: Servers) -> None:
+    triton, geserve = servers.both("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest())
+    assert (triton.code, geserve.code) == (grpc.StatusCode.OK,) * 2 and geserve.response == triton.response
+    triton, geserve = servers.both("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest(name="x"))
+    assert (triton.code, geserve.code) == (grpc.StatusCode.OK,) * 2
+    request = pb.CudaSharedMemoryRegisterRequest(name="x", raw_handle=b"\0" * 64, device_id=0, byte_size=8)
+    triton, geserve = servers.both("CudaSharedMemoryRegister", request)
+    assert_same_error(triton, geserve, grpc.StatusCode.INVALID_ARGUMENT,
+                      "failed to register shared memory region: invalid args")
 
 
 def test_shared_memory_status(servers: Servers) -> None:

@@ -282,11 +282,14 @@ def test_system_shared_memory_inputs_and_outputs(
         client.infer("simple", inputs)
 
 
-def test_cuda_shared_memory_is_unimplemented(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
-    for call, request in ((stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest()),
-                          (stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(name="x", byte_size=8)),
-                          (stub.CudaSharedMemoryUnregister, pb.CudaSharedMemoryUnregisterRequest(name="x"))):
-        assert status_of(call, request)[0] == grpc.StatusCode.UNIMPLEMENTED
+def test_cuda_shared_memory_as_on_a_machine_without_gpus(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    """Served as Triton serves it where no GPU is: no region, a registration refused, an unknown one unregistered."""
+    assert not stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest()).regions
+    assert status_of(stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest(name="x")) == (
+        grpc.StatusCode.NOT_FOUND, "Unable to find cuda shared memory region: 'x'")
+    assert status_of(stub.CudaSharedMemoryRegister, pb.CudaSharedMemoryRegisterRequest(name="x", byte_size=8)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "failed to register shared memory region: invalid args")
+    stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="x"))
 
 
 # ---------------------------------------------------------------------------------- settings, control

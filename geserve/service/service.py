@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from geserve.config import ModelConfig
@@ -38,6 +38,10 @@ from geserve.types.wire import tensor_bytes
 from geserve.version import __version__
 
 SERVER_NAME = "geserve"
+SHUTTING_DOWN = "Server is shutting down: it accepts no new requests"
+# What a server that is shutting down still answers from outside: health, metadata, settings, statistics. New work
+# (inference, model loads) is refused; calls from models (BLS, ensemble steps) belong to requests in flight.
+_REFUSED_WHILE_DRAINING = frozenset({ApiGroup.INFERENCE, ApiGroup.MODEL_REPOSITORY})
 # In Triton's order. Both frontends serve system shared memory (refused unless --allow-system-shared-memory, yet
 # listed, as Triton lists it), trace and logging settings; CUDA shared memory is not claimed: no region can exist.
 EXTENSIONS = [
@@ -72,6 +76,7 @@ class InferenceService:
         log_settings: LogSettings | None = None,
         trace_settings: TraceSettings | None = None,
         policies: Sequence[CallPolicy] = (),
+        server_name: str = SERVER_NAME,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -80,7 +85,10 @@ class InferenceService:
         self._log = log_settings if log_settings is not None else LogSettings()
         self._trace = trace_settings if trace_settings is not None else TraceSettings()
         self.policies = list(policies)
+        self.server_name = server_name
         self.accepting = True
+        self._inflight = 0  # inference calls under way, of every transport
+        self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
         self.host = ModelHost(self)
         # Set by the server once it runs: where calls from other threads (Python models' BLS) are scheduled.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -90,6 +98,36 @@ class InferenceService:
         such as the CUDA shared memory calls no region can exist for)."""
         for policy in self.policies:
             policy.admit(group, context)
+        if not self.accepting and group in _REFUSED_WHILE_DRAINING and context.transport is not Transport.IN_PROCESS:
+            raise UnavailableError(SHUTTING_DOWN)
+
+    def stop_accepting(self) -> None:
+        """Readiness turns false and new inference and repository calls are refused; calls in flight go on."""
+        self.accepting = False
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no inference call is under way, at most `timeout_s`; True when none is."""
+        if self._inflight:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
+            except asyncio.TimeoutError:  # not the builtin before 3.11
+                pass
+            finally:
+                self._idle = None
+        return not self._inflight
+
+    def _enter(self) -> None:
+        self._inflight += 1
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if not self._inflight and self._idle is not None:
+            self._idle.set()
 
     # ---- health and metadata ----------------------------------------------------------------------
 
@@ -112,7 +150,7 @@ class InferenceService:
 
     def server_metadata(self, context: CallContext = IN_PROCESS) -> dict[str, Any]:
         self.admit(ApiGroup.METADATA, context)
-        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+        return {"name": self.server_name, "version": __version__, "extensions": EXTENSIONS}
 
     def model_metadata(self, name: str, version: str = "", context: CallContext = IN_PROCESS) -> dict[str, Any]:
         self.admit(ApiGroup.METADATA, context)
@@ -142,14 +180,18 @@ class InferenceService:
     async def infer(self, request: InferenceRequest, context: CallContext = IN_PROCESS) -> InferenceResponse:
         """One request, one response; a decoupled model is refused (use `infer_stream`)."""
         self.admit(ApiGroup.INFERENCE, context)
-        model = self._lookup(request)
-        if model.decoupled:
-            raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
-        started = time.monotonic_ns()
-        self._prepare(model, request, context)  # a request the model never sees is no failure of the model's
-        response = await self._execute(model, request, started)
-        self._place_outputs(request, response)
-        return response
+        self._enter()
+        try:
+            model = self._lookup(request)
+            if model.decoupled:
+                raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
+            started = time.monotonic_ns()
+            self._prepare(model, request, context)  # a request the model never sees is no failure of the model's
+            response = await self._execute(model, request, started)
+            self._place_outputs(request, response)
+            return response
+        finally:
+            self._leave()
 
     async def infer_stream(
         self, request: InferenceRequest, context: CallContext = IN_PROCESS
@@ -157,14 +199,28 @@ class InferenceService:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
         model, one otherwise. Faults found before the model runs are raised; later ones come as items."""
         self.admit(ApiGroup.INFERENCE, context)
-        model = self._lookup(request)
-        started = time.monotonic_ns()
-        self._prepare(model, request, context)
-        if not model.decoupled:
-            response = await self._execute(model, request, started)
-            self._place_outputs(request, response)
-            yield StreamResponse(response, final=True)
-            return
+        self._enter()
+        try:
+            model = self._lookup(request)
+            started = time.monotonic_ns()
+            self._prepare(model, request, context)
+            if not model.decoupled:
+                response = await self._execute(model, request, started)
+                self._place_outputs(request, response)
+                yield StreamResponse(response, final=True)
+                return
+            responses = self._decoupled_responses(model, request, started)
+            try:
+                async for item in responses:
+                    yield item
+            finally:
+                await responses.aclose()  # at once, not when collected: its cancel and statistics are due now
+        finally:
+            self._leave()
+
+    async def _decoupled_responses(
+        self, model: LoadedModel, request: InferenceRequest, started: int
+    ) -> AsyncGenerator[StreamResponse, None]:
         stream = ResponseStream(asyncio.get_running_loop())
         request.stream = stream
         execution = asyncio.ensure_future(model.scheduler.enqueue(request))
@@ -306,6 +362,22 @@ class InferenceService:
     def unregister_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
         self.admit(ApiGroup.SHARED_MEMORY, context)
         self.shared_memory.unregister(name)
+
+    # No GPU is used, so no CUDA region can ever be registered: Triton's answers on such a machine.
+
+    def cuda_shared_memory_status(self, name: str = "", context: CallContext = IN_PROCESS) -> list[RegionStatus]:
+        self.admit(ApiGroup.SHARED_MEMORY, context)
+        if name:
+            raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
+        return []
+
+    def register_cuda_shared_memory(self, name: str, context: CallContext = IN_PROCESS) -> None:
+        self.admit(ApiGroup.SHARED_MEMORY, context)
+        raise InvalidArgumentError("failed to register shared memory region: invalid args")
+
+    def unregister_cuda_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
+        """Unregistering a region that does not exist succeeds, as in Triton."""
+        self.admit(ApiGroup.SHARED_MEMORY, context)
 
     # ---- trace and logging ------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
-from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.context import CallContext, Transport
 from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
 STRICT_STREAM_HEADER = "triton_grpc_error"  # "true": the first failed request ends the stream with its status
-_NO_CUDA_SHM = "CUDA shared memory is not supported by geserve; use system shared memory"
 _END = object()
 
 Message = TypeVar("Message")
@@ -240,23 +239,25 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._service.unregister_shared_memory(request.name, call_context(context))
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    def _no_cuda_shared_memory(self, context: Any) -> None:
-        self._service.admit(ApiGroup.SHARED_MEMORY, call_context(context))
-        raise UnsupportedError(_NO_CUDA_SHM)
-
     @_rpc
-    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> pb.CudaSharedMemoryStatusResponse:
-        self._no_cuda_shared_memory(context)
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Any
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        self._service.cuda_shared_memory_status(request.name, call_context(context))  # no region can exist
         return pb.CudaSharedMemoryStatusResponse()
 
     @_rpc
-    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> pb.CudaSharedMemoryRegisterResponse:
-        self._no_cuda_shared_memory(context)
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Any
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        self._service.register_cuda_shared_memory(request.name, call_context(context))
         return pb.CudaSharedMemoryRegisterResponse()
 
     @_rpc
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
-        self._no_cuda_shared_memory(context)
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Any
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        self._service.unregister_cuda_shared_memory(request.name, call_context(context))
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- trace and log settings ---------------------------------------------------------------------

@@ -14,14 +14,13 @@ from geserve.config import message_to_json_dict
 from geserve.errors import (
     GeserveError,
     InvalidArgumentError,
-    NotFoundError,
     UnavailableError,
     UnknownModelError,
     UnsupportedError,
 )
 from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
 from geserve.frontends.http.status import HTTP_STATUS
-from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.context import CallContext, Transport
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import OutputPlacementError
 from geserve.types import InferenceRequest
@@ -161,19 +160,17 @@ class HttpFrontend:
             return _not_allowed()
         cuda = group == "cudasharedmemory"
         service = self._service
-        if cuda:  # no GPU, so never a CUDA region: Triton's answers on such a machine
-            service.admit(ApiGroup.SHARED_MEMORY, context)
         if action == "status":
             if cuda:
-                if name:
-                    raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
-                return _json([])
+                return _json(service.cuda_shared_memory_status(name, context))  # no region can exist: []
             return _json([
                 {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
                 for r in service.shared_memory_status(name, context)
             ])
         if action == "unregister":
-            if not cuda:
+            if cuda:
+                service.unregister_cuda_shared_memory(name, context)
+            else:
                 service.unregister_shared_memory(name, context)
             return 200, b"", _JSON, []
         options = parse_json(await self._read_body(receive, headers))
@@ -181,7 +178,7 @@ class HttpFrontend:
         if cuda:
             if "raw_handle" not in options:
                 raise InvalidArgumentError("Shared memory register request has no 'raw_handle' field")
-            raise InvalidArgumentError("failed to register shared memory region: invalid args")
+            service.register_cuda_shared_memory(name, context)
         for field in ("key", "byte_size"):
             if field not in options:
                 raise InvalidArgumentError(f"Shared memory register request has no '{field}' field")
