@@ -128,18 +128,25 @@ class Server:
             except asyncio.TimeoutError:  # not the builtin before 3.11
                 logger.warning("the %s frontend did not stop within the exit timeout", frontend.name)
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
         """Triton's exit: readiness turns false and new requests are refused at once; the requests and streams in
-        flight get --exit-timeout-secs to finish; then the frontends close and the models unload."""
+        flight get --exit-timeout-secs to finish; then the frontends close and the models unload. False when the
+        timeout abandoned work still in flight (a model still executing is left to the process's exit)."""
         self.service.stop_accepting()
         deadline = time.monotonic() + self.settings.exit_timeout_secs
         if self.service.inflight:
             logger.info("waiting up to %.0f s for %d in-flight requests", _left(deadline), self.service.inflight)
-        if not await self.service.wait_idle(_left(deadline)):
+        clean = await self.service.wait_idle(_left(deadline))
+        if not clean:
             logger.warning("exit timeout: %d requests still in flight are abandoned", self.service.inflight)
         await self._stop_frontends(deadline)
         self.service.shared_memory.close()
-        await self.manager.shutdown()
+        try:
+            await asyncio.wait_for(self.manager.shutdown(), _left(deadline, minimum=1.0))
+        except asyncio.TimeoutError:  # not the builtin before 3.11
+            logger.warning("exit timeout: models still executing are abandoned")
+            clean = False
+        return clean
 
     async def run_until_signalled(self) -> None:
         """Serve until SIGINT or SIGTERM, then stop cleanly; a second signal while stopping exits at once."""
@@ -156,11 +163,17 @@ class Server:
             loop.add_signal_handler(sig, first_signal)
         await self.start()
         await stop_requested.wait()
-        await self.stop()
+        if not await self.stop():
+            _exit_now()  # threads still running abandoned work would hold the interpreter's exit
 
 
 def _exit_at_once() -> None:
     logger.warning("second signal received: exiting without waiting for requests in flight")
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 1 without joining threads (a model may still be executing): work in flight was abandoned."""
     logging.shutdown()
     os._exit(1)
 
