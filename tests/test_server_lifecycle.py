@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from geserve import Server, ServerSettings
 from tests.support import models
 from tests.support.server import REPO_ROOT, geserve
 
@@ -264,3 +266,30 @@ def test_environment_sets_what_the_command_line_leaves_out(good_repo: Path) -> N
             ["serve", "--model-repository", str(good_repo), "--http-port", "8000"]
         ))
         assert settings.http_port == 8000  # the command line wins
+
+
+def test_tritonserver_flags_of_lifecycle_and_limits_parse(good_repo: Path) -> None:
+    from geserve.cli import build_parser, settings_from_args
+
+    settings = settings_from_args(build_parser().parse_args([
+        "serve", "--model-repository", str(good_repo), "--id", "edge-1", "--exit-timeout-secs", "5",
+        "--model-control-mode", "poll", "--repository-poll-secs", "2", "--grpc-keepalive-time", "1000",
+        "--grpc-http2-min-recv-ping-interval-without-data", "500", "--http-max-header-count", "20",
+    ]))
+    assert (settings.server_id, settings.exit_timeout_secs, settings.model_control_mode) == ("edge-1", 5.0, "poll")
+    assert (settings.repository_poll_secs, settings.grpc_keepalive_time_ms) == (2.0, 1000)
+    assert settings.grpc_http2_min_recv_ping_interval_without_data_ms == 500
+    assert settings.http_max_header_count == 20
+
+
+def test_the_server_metadata_carries_the_id(good_repo: Path) -> None:
+    async def run() -> None:
+        server = Server(ServerSettings(model_repositories=[good_repo], server_id="edge-1", allow_http=False,
+                                       allow_grpc=False, allow_metrics=False))
+        await server.start()
+        try:
+            assert server.service.server_metadata()["name"] == "edge-1"
+        finally:
+            assert await server.stop()  # nothing in flight: a clean stop
+
+    asyncio.run(run())
