@@ -85,7 +85,7 @@ def test_exit_on_error_stops_start_up(broken_repo: Path) -> None:
     ("args", "message"),
     [
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        (["--model-control-mode", "poll"], "invalid choice: 'poll'"),
+        (["--model-control-mode", "watch"], "invalid choice: 'watch'"),  # none, explicit and poll are the modes
         (["--strict-readiness=maybe"], "expected a boolean"),
         (["--backend-config", "ge,novalue"], "--backend-config expects"),
     ],

@@ -1,22 +1,24 @@
-"""Turns a model's config into a servable model: reads and completes the config, then builds each version's
-backend instances, instance pool (or ensemble plan), scheduler, labels, statistics and readiness check."""
+"""Turns a model's config into a servable model: reads and completes the config (refusing what geserve cannot serve
+yet), then builds each version's backend instances, warms them up, and builds the instance pool (or ensemble plan),
+scheduler, labels, statistics and readiness check."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from geserve import devices
-from geserve.backends.base import ModelSource
+from geserve.backends.base import ModelInstance, ModelSource
 from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
 from geserve.config.ensemble import is_ensemble, step_model_names
-from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError
+from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnsupportedError
 from geserve.repository.model import LoadedModel, tensor_specs
 from geserve.repository.store import available_versions, select_versions
+from geserve.repository.warmup import warm_up
 from geserve.scheduling.base import create_scheduler
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
@@ -88,6 +90,7 @@ class ModelBuilder:
             backend.auto_complete_config(config, ModelSource(model_dir, versions[-1]))
         fill_defaults(config, self._options.default_instance_kind, backend.default_model_filename)
         validate(config, name)
+        _refuse_unserved(config)
         selected = select_versions(config.version_policy, versions)
         if not selected:
             raise InvalidArgumentError(
@@ -104,6 +107,13 @@ class ModelBuilder:
             raise NotFoundError(f"version folder {source.version_dir} not found")
         backend = self._registry.backend_for(config)
         instances = await asyncio.to_thread(backend.create_instances, config, source)
+        try:
+            # Before the version is READY and before any scheduler sees the instances, as Triton warms each instance
+            # up before adding it to the model.
+            await warm_up(config, prepared.model_dir, version, instances)
+        except BaseException:
+            await asyncio.to_thread(_finalize, instances)
+            raise
         labels = await asyncio.to_thread(_read_labels, config, prepared.model_dir)
         statistics = self._options.new_statistics()
         readiness = None
@@ -127,6 +137,27 @@ class ModelBuilder:
             decoupled=config.model_transaction_policy.decoupled,
             readiness=readiness,
         )
+
+
+def _refuse_unserved(config: ModelConfig) -> None:
+    """Configs geserve cannot serve correctly yet, refused at load rather than answered wrongly with status 200."""
+    if config.WhichOneof("scheduling_choice") == "sequence_batching":
+        # Until the sequence batcher exists (the stateful-models issue): without it the control inputs (START, END,
+        # READY, CORRID) would never be filled and no state kept between a sequence's requests.
+        raise UnsupportedError(
+            f"model '{config.name}' uses sequence_batching, and geserve has no sequence batcher yet: serving a "
+            f"stateful model as a stateless one (its control inputs never filled, its state never kept between "
+            f"the requests of a sequence) would give wrong answers, so it is not loaded"
+        )
+
+
+def _finalize(instances: Sequence[ModelInstance]) -> None:
+    """Release instances that will never serve (their version failed to load after they were created)."""
+    for instance in instances:
+        try:
+            instance.finalize()
+        except Exception:
+            logger.exception("finalizing instance '%s' of a version that failed to load", instance.name)
 
 
 def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:

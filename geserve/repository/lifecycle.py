@@ -108,8 +108,8 @@ class ModelManager:
         return True
 
     def all_ready(self) -> bool:
-        """Strict readiness: every model the server was asked to serve has a ready version."""
-        return all(r.latest is not None for r in self._records.values() if r.versions or r.error)
+        """Strict readiness: every model the server was asked to serve, and not since to unload, has a ready version."""
+        return all(r.latest is not None for r in self._records.values() if r.wanted and (r.versions or r.error))
 
     def models(self) -> list[LoadedModel]:
         loaded = []
@@ -138,8 +138,10 @@ class ModelManager:
         serving = {n for n, r in self._records.items() if r.latest is not None}
         for ensemble in self._graph.unload_order(name, serving):
             logger.info("unloading ensemble '%s': its composing model '%s' is unloading", ensemble, name)
+            self._records[ensemble].wanted = False
             await self._versions.unload(self._records[ensemble])
             self._graph.block(ensemble)
+        record.wanted = False
         await self._versions.unload(record)
 
     async def shutdown(self) -> None:
@@ -158,6 +160,7 @@ class ModelManager:
         loaded: set[str] = set()
         with self._in_flight(name):
             record = self._records.setdefault(name, ModelRecord(name))
+            record.wanted = True
             started = time.monotonic()
             try:
                 prepared = await self._prepare(name, model_dir, config_json)
@@ -210,6 +213,7 @@ class ModelManager:
         """Load `name`, whose composing models are as up as they will get; whether it came up."""
         try:
             record = self._records.setdefault(name, ModelRecord(name))
+            record.wanted = True
             started = time.monotonic()
             try:
                 cycle = plan.cycle_error(name)

@@ -26,6 +26,9 @@ class ModelRecord:
     # Highest READY version, kept current so the infer path does one dict lookup.
     latest: LoadedModel | None = None
     load_seconds: float = 0.0
+    # False once unloaded on purpose (an unload request, its folder gone in poll mode, a composing model unloaded):
+    # as in Triton, strict readiness then stops waiting for it. A load wants it again.
+    wanted: bool = True
 
     def refresh_latest(self) -> None:
         ready = [v for v, s in self.versions.items() if s.state is ModelState.READY and s.model]
@@ -52,8 +55,11 @@ class VersionLifecycle:
                 loaded = {v: await self._build(prepared, v, steps) for v in prepared.versions}
                 failures = [f"version {v}: {s.reason}" for v, s in loaded.items() if s.state is not ModelState.READY]
                 for version, status in list(loaded.items()):
-                    if status.state is not ModelState.READY and version in previous:
-                        loaded[version] = previous.pop(version)
+                    # As in Triton, a version whose reload failed keeps serving, unless its folder is gone: requests
+                    # for a removed version fail.
+                    if (status.state is not ModelState.READY and version in previous
+                            and (prepared.model_dir / str(version)).is_dir()):
+                        loaded[version] = _kept(previous.pop(version), status.reason)
                 # The new versions go live before the old ones stop, so a reload never drops traffic.
                 record.versions = loaded
                 record.refresh_latest()
@@ -67,10 +73,15 @@ class VersionLifecycle:
     async def fail(self, record: ModelRecord, message: str, started: float) -> None:
         """The load failed before any version could be tried."""
         async with record.lock:
-            logger.error("model '%s' is unavailable: %s", record.name, message)
             record.load_seconds = time.monotonic() - started
-            if any(s.model is not None for s in record.versions.values()):
-                return  # as in Triton, a failed reload leaves the serving versions in place
+            serving = [s for s in record.versions.values() if s.model is not None]
+            if serving:  # as in Triton, a failed reload leaves the serving versions in place
+                logger.error("reloading model '%s' failed, the versions loaded before keep serving: %s",
+                             record.name, message)
+                for status in serving:
+                    _kept(status, message)
+                return
+            logger.error("model '%s' is unavailable: %s", record.name, message)
             record.error = message
             record.versions = {}
             record.refresh_latest()
@@ -93,6 +104,12 @@ class VersionLifecycle:
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)
         logger.info("successfully loaded '%s' version %d", prepared.config.name, version)
         return VersionStatus(ModelState.READY, "", model)
+
+
+def _kept(status: VersionStatus, failure: str) -> VersionStatus:
+    """`status` serves on after a reload that failed with `failure`: its index entry says why it is the old one."""
+    status.reason = f"reload failed, the version loaded before keeps serving: {failure}"
+    return status
 
 
 async def _stop(name: str, statuses: list[VersionStatus]) -> None:

@@ -210,5 +210,77 @@ def broken_repository(repo: Path) -> Path:
     config = (wrong_name / "config.pbtxt").read_text().replace('name: "wrong_name"', 'name: "other"')
     (wrong_name / "config.pbtxt").write_text(config)
     bad_param = simple(repo, "bad_param", extra='parameters { key: "no_such_option" value: { string_value: "1" } }')
+    # A GE dialect: a Triton ONNX Runtime model ignores unknown parameters (as Triton does), a GE one refuses them.
+    config = (bad_param / "config.pbtxt").read_text().replace('backend: "onnxruntime"', 'platform: "graph_executor"')
+    (bad_param / "config.pbtxt").write_text(config)
     assert bad_param.exists()
     return repo
+
+
+_WARMUP_RECORDER = '''"""Records each instance's executions: a JSON line per execute() in <record_dir>/<instance>.jsonl.
+
+Parameters: record_dir (where), fail ("1": every response is an error). Decoupled when its config says so.
+"""
+
+import json
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = config.get("parameters", {})
+        self.path = os.path.join(parameters["record_dir"]["string_value"], args["model_instance_name"] + ".jsonl")
+        self.fail = parameters.get("fail", {}).get("string_value") == "1"
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+
+    def _record(self, entry):
+        with open(self.path, "a") as record:
+            record.write(json.dumps(entry) + "\\n")
+
+    def execute(self, requests):
+        arrays = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        self._record({"requests": [{"shape": list(a.shape), "values": a.ravel().tolist()} for a in arrays]})
+        responses = []
+        for array in arrays:
+            if self.fail:
+                responses.append(pb_utils.InferenceResponse([], error=pb_utils.TritonError("recorder refuses")))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", array)]))
+        if not self.decoupled:
+            return responses
+        for request, response in zip(requests, responses):
+            request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def finalize(self):
+        self._record({"finalized": True})
+'''
+
+
+def warmup_recorder(
+    repo: Path, name: str, record_dir: Path, warmup: str, instances: int = 2, fail: bool = False,
+    decoupled: bool = False,
+) -> Path:
+    """A Python model (FP32 [4] in, the same out, batching up to 4) on `instances` instances, each recording every
+    execute() it runs, warmup included, in `record_dir`/<instance name>.jsonl; `warmup` is its model_warmup."""
+    record_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / "model.py").write_text(_WARMUP_RECORDER)
+    policy = "model_transaction_policy { decoupled: true }" if decoupled else ""
+    (model_dir / "config.pbtxt").write_text(f"""
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+parameters {{ key: "record_dir" value: {{ string_value: "{record_dir}" }} }}
+parameters {{ key: "fail" value: {{ string_value: "{1 if fail else 0}" }} }}
+{policy}
+{warmup}
+""")
+    return model_dir

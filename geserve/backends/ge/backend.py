@@ -50,6 +50,9 @@ class GeBackend:
 
     def __init__(self, settings: BackendSettings | None = None) -> None:
         self._settings = settings or BackendSettings()
+        # (model, the parameters it ignored) already warned about: once per model, not per version, instance or
+        # reload; a config that ignores other parameters warns again.
+        self._warned: set[tuple[str, tuple[str, ...]]] = set()
 
     @property
     def default_max_batch_size(self) -> int:
@@ -62,6 +65,7 @@ class GeBackend:
 
     def create_instances(self, config: ModelConfig, source: ModelSource) -> list[GeInstance]:
         options = parse_ge_options(config)
+        self._warn_ignored(config, options.ignored)
         if options.accelerator is None and "execution_accelerators" in self._settings.values:
             options.accelerator = self._settings.values["execution_accelerators"].strip().lower() or None
         path = model_path(config, source)
@@ -80,6 +84,18 @@ class GeBackend:
             config.name, source.version, len(instances), instances[0].device if instances else "-", threads,
         )
         return instances
+
+    def _warn_ignored(self, config: ModelConfig, ignored: list[str]) -> None:
+        key = (config.name, tuple(ignored))
+        if not ignored or key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning(
+            "model '%s' (platform '%s'): ignoring parameter(s) %s unknown to geserve, as Triton's onnxruntime "
+            "backend ignores parameters it does not know (the GE dialects, platform 'graph_executor' and backend "
+            "'ge' / 'npu_ge', refuse them)",
+            config.name, config.platform or config.backend, ", ".join(f"'{k}'" for k in ignored),
+        )
 
 
 def _create(settings: BackendSettings, host: InferenceHost, custom_metrics: CustomMetricStore) -> GeBackend:

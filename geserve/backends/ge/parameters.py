@@ -1,7 +1,10 @@
 """Reads a model's `parameters` in both GE dialects (Ascend's names and Triton ONNX Runtime's) into GeOptions.
 
-Nothing is dropped silently: known keys become options, `ort.*` keys become ONNX Runtime session config
-entries, and anything else is rejected with the list of accepted names.
+Nothing is dropped silently: known keys become options and `ort.*` keys ONNX Runtime session config entries. Anything
+else is rejected with the list of accepted names in the GE dialects (`platform: "graph_executor"`, `backend: "ge"` /
+`"npu_ge"`), whose users write geserve's names; a model of Triton's own ONNX Runtime platform loads with it ignored
+and named in `GeOptions.ignored` (the backend warns once per model), as Triton's onnxruntime backend ignores the
+parameters it does not know: a plain Triton repository must load unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class GeOptions:
     ge_options: dict[str, str] = field(default_factory=dict)
     ort_config_entries: dict[str, str] = field(default_factory=dict)
     custom_ops: list[str] = field(default_factory=list)  # custom-op libraries (.so), relative to the model dir
+    # Unknown parameters of a Triton ONNX Runtime model, left out as Triton does (the GE dialects refuse them).
+    ignored: list[str] = field(default_factory=list)
 
 
 def _as_bool(key: str, value: str) -> bool:
@@ -111,8 +116,24 @@ _HANDLED_ELSEWHERE = {
 }
 
 
+# A config naming the GE dialects is written for geserve: an unknown parameter in it is a mistake. One naming only
+# Triton's ONNX Runtime platform or backend was written for Triton, whose backend ignores what it does not know.
+_GE_PLATFORMS = {"graph_executor"}
+_GE_BACKENDS = {"ge", "npu_ge"}
+_TRITON_PLATFORMS = {"onnxruntime_onnx"}
+_TRITON_BACKENDS = {"onnxruntime"}
+
+
+def ignores_unknown_parameters(config: ModelConfig) -> bool:
+    """Whether `config` is a Triton ONNX Runtime model (and no GE one): unknown parameters are ignored, not refused."""
+    if config.platform in _GE_PLATFORMS or config.backend in _GE_BACKENDS:
+        return False
+    return config.platform in _TRITON_PLATFORMS or config.backend in _TRITON_BACKENDS
+
+
 def parse_ge_options(config: ModelConfig) -> GeOptions:
     options = GeOptions()
+    strict = not ignores_unknown_parameters(config)
     for key, parameter in sorted(config.parameters.items()):
         value = parameter.string_value
         setter = _SETTERS.get(key)
@@ -124,6 +145,8 @@ def parse_ge_options(config: ModelConfig) -> GeOptions:
             options.ort_config_entries[key[len(_ORT_PREFIX):]] = value
         elif key in _HANDLED_ELSEWHERE:
             continue
+        elif not strict:
+            options.ignored.append(key)
         else:
             accepted = ", ".join(sorted(_SETTERS))
             raise InvalidArgumentError(
