@@ -22,6 +22,7 @@ from geserve.metrics.collector import SERVER_FAMILY_NAMES, build_registry
 from geserve.metrics.latency import LatencyRecorder
 from geserve.metrics.system import CpuSampler
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
+from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
 from geserve.service.context import CallPolicy
 from geserve.service.runtime_settings import LogSettings
@@ -40,9 +41,9 @@ class Server:
     """Builds the layers from settings; `start` loads the initial models and starts the frontends in order."""
 
     def __init__(self, settings: ServerSettings, policies: Sequence[CallPolicy] = ()) -> None:
-        if settings.model_control_mode not in ("none", "explicit"):
+        if settings.model_control_mode not in ("none", "explicit", "poll"):
             raise StartupError(
-                f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none or explicit"
+                f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none, explicit or poll"
             )
         if not settings.model_repositories:
             raise StartupError("at least one --model-repository is required")
@@ -62,6 +63,8 @@ class Server:
                 _latency_observer_factory(settings, metrics_config),
             ),
         )
+        polling = settings.model_control_mode == "poll"
+        self.poller = RepositoryPoller(self.store, self.manager, settings.repository_poll_secs) if polling else None
         # One shared memory registry and one set of log / trace settings behind every protocol.
         self.service = InferenceService(
             self.manager,
@@ -90,11 +93,13 @@ class Server:
         self._started: list[Frontend] = []
 
     async def load_initial_models(self) -> None:
+        if self.poller is not None:
+            await self.poller.snapshot()  # before any config is read: a change made while the models load is seen
         try:
             available = self.store.scan()
         except InvalidArgumentError as exc:
             raise StartupError(exc.message) from None
-        if self.settings.model_control_mode == "none" or "*" in self.settings.load_models:
+        if self.settings.model_control_mode in ("none", "poll") or "*" in self.settings.load_models:
             names = list(available)
         else:
             names = list(dict.fromkeys(self.settings.load_models))
@@ -116,6 +121,7 @@ class Server:
             for frontend in self.frontends:
                 await frontend.start()
                 self._started.append(frontend)
+            self._start_polling()
         except BaseException:
             await self._stop_frontends(time.monotonic() + self.settings.exit_timeout_secs)
             raise
@@ -133,6 +139,7 @@ class Server:
         flight get --exit-timeout-secs to finish; then the frontends close and the models unload. False when the
         timeout abandoned work still in flight (a model still executing is left to the process's exit)."""
         self.service.stop_accepting()
+        await self._stop_polling()
         deadline = time.monotonic() + self.settings.exit_timeout_secs
         if self.service.inflight:
             logger.info("waiting up to %.0f s for %d in-flight requests", _left(deadline), self.service.inflight)
@@ -147,6 +154,16 @@ class Server:
             logger.warning("exit timeout: models still executing are abandoned")
             clean = False
         return clean
+
+    def _start_polling(self) -> None:
+        """Poll mode: the repositories are scanned from here on (the initial models are up)."""
+        if self.poller is not None:
+            self.poller.start()
+
+    async def _stop_polling(self) -> None:
+        """No reload starts once stopping began; a scan under way is abandoned."""
+        if self.poller is not None:
+            await self.poller.stop()
 
     async def run_until_signalled(self) -> None:
         """Serve until SIGINT or SIGTERM, then stop cleanly; a second signal while stopping exits at once."""
