@@ -9,6 +9,10 @@ from `raw_output_contents`. Deliberate differences are named where they are asse
 - a region registered at an offset that is not page aligned, which Triton refuses and geserve serves;
 - with `triton_grpc_error: true`, geserve ends the stream on any failed request; Triton 2.51 only on failures
   inside the model, keeping faults it finds before (unknown model, bad shape) in-band;
+- bytes that are no request message: Triton answers INTERNAL "Unable to parse request" (and ends a stream OK, the
+  message dropped); geserve INVALID_ARGUMENT in the same words (a stream answers it in band and goes on);
+- an output named twice, which Triton 2.51 answers once and newer Triton refuses, geserve refuses; a shape past
+  int64 elements geserve refuses in newer Triton's words.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Servers:
     geserve: Stub
     shm_in: Region
     shm_out: Region
+    targets: tuple[str, str] = ("", "")  # Triton's and geserve's, for raw-byte calls
 
     def both(self, rpc: str, request: object, metadata: tuple = ()) -> tuple[Answer, Answer]:
         return call(self.triton, rpc, request, metadata), call(self.geserve, rpc, request, metadata)
@@ -73,6 +78,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             grpc.insecure_channel(pair.triton_grpc) as t_channel, \
             grpc.insecure_channel(pair.geserve.grpc_url) as g_channel:
         servers = Servers(Stub(t_channel), Stub(g_channel), *pair.regions)
+        servers.targets = (pair.triton_grpc, pair.geserve.grpc_url)
         for stub in (servers.triton, servers.geserve):
             for name, region in (("in", pair.regions[0]), ("out", pair.regions[1])):
                 stub.SystemSharedMemoryRegister(
@@ -377,7 +383,6 @@ INFERS: list[tuple[str, Build, dict]] = [
     ("raw-one-output", with_outputs(simple(), ("OUTPUT1", {})), {"OUTPUT1": DIFF}),
     ("raw-explicit-version", simple(model_version="1"), BOTH),
     ("raw-batch-of-3", simple(3), {"OUTPUT0": np.tile(SUM, (3, 1))}),
-    ("raw-output-asked-twice", with_outputs(simple(), ("OUTPUT0", {}), ("OUTPUT0", {})), {"OUTPUT0": SUM}),
     ("raw-extra-raw-contents-ignored", (lambda: (r := simple(), r.raw_input_contents.append(b"xx"))[0]), BOTH),
     ("parameters-pass-through", with_parameters(simple(), {
         "custom": ("string_param", "x"), "flag": ("bool_param", True), "n": ("int64_param", 3),
@@ -625,6 +630,59 @@ def test_stream_with_grpc_error_header_ends_on_a_failed_request(servers: Servers
     g_responses, g_end = _stream(servers.geserve, requests, metadata)
     assert {r.infer_response.id for r in g_responses} <= {"s1"}  # "s1" may still be running when "bad" ends it
     assert (g_end.code, g_end.message) == (INVALID, _SHAPE_15.replace("<id_unknown>", "bad"))
+
+
+# ------------------------------------------------------------------------------ malformed and newer Triton
+
+
+@pytest.mark.parametrize("rpc", ["ModelInfer", "ModelMetadata", "ModelConfig", "RepositoryModelLoad", "ServerLive",
+                                 "SystemSharedMemoryRegister", "LogSettings"])
+def test_bytes_that_do_not_parse_triton_internal_geserve_invalid_argument(servers: Servers, rpc: str) -> None:
+    """Not the request message: Triton's gRPC library answers INTERNAL "Unable to parse request" before Triton's
+    code runs; geserve answers INVALID_ARGUMENT (the client's fault) with those words and the parser's reason."""
+    answers = []
+    for target in servers.targets:
+        with grpc.insecure_channel(target) as channel:
+            try:
+                channel.unary_unary(f"/inference.GRPCInferenceService/{rpc}")(b"\xff\xff\xff", timeout=30)
+                answers.append(Answer(grpc.StatusCode.OK, "", None))
+            except grpc.RpcError as exc:
+                answers.append(Answer(exc.code(), exc.details(), None))
+    triton, geserve = answers
+    assert (triton.code, triton.message) == (grpc.StatusCode.INTERNAL, "Unable to parse request")
+    assert geserve.code == INVALID and geserve.message.startswith("Unable to parse request: ")
+
+
+def test_stream_message_that_does_not_parse(servers: Servers) -> None:
+    """Triton ends the stream OK and drops the message; geserve answers it in band and serves the next one."""
+    ends = []
+    for target in servers.targets:
+        with grpc.insecure_channel(target) as channel:
+            stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                           response_deserializer=pb.ModelStreamInferResponse.FromString)
+            ends.append(list(stream(iter([b"\xff\xff\xff", simple(id="s1").SerializeToString()]), timeout=30)))
+    triton, geserve = ends
+    assert len(triton) <= 1 and all(r.infer_response.id == "s1" for r in triton)
+    assert [r.error_message.startswith("Unable to parse request: ") for r in geserve] == [True, False]
+    assert geserve[1].infer_response.id == "s1"
+
+
+def test_output_asked_twice_triton_251_answers_once_geserve_refuses_as_newer_triton(servers: Servers) -> None:
+    triton, geserve = servers.both("ModelInfer", with_outputs(simple(), ("OUTPUT0", {}), ("OUTPUT0", {})))
+    assert triton.code == grpc.StatusCode.OK and [o.name for o in triton.response.outputs] == ["OUTPUT0"]
+    assert decode(triton.response)["OUTPUT0"].tolist() == SUM.tolist()
+    assert (geserve.code, geserve.message) == (
+        INVALID, "[request id: <id_unknown>] output 'OUTPUT0' already exists in request")
+
+
+def test_shape_past_int64_elements_in_newer_tritons_words(servers: Servers) -> None:
+    request = _edit(simple(), lambda r: (r.inputs[0].shape.__setitem__(0, 16), r.inputs[0].shape.__setitem__(
+        1, 2**60 + 2)))
+    triton, geserve = servers.both("ModelInfer", request)
+    assert triton.code == INVALID  # 2.51: the batch size or the shape, found on the overflowed count
+    assert (geserve.code, geserve.message) == (
+        INVALID, f"input 'INPUT0' with shape [16,{2**60 + 2}] causes total element count to exceed maximum size of "
+                 f"{2**63 - 1}")
 
 
 # ------------------------------------------------------------------------------------------ statistics

@@ -13,7 +13,12 @@ Read the tables as the spec. Deliberate differences are named where they are ass
 - FP16 tensors in JSON, which Triton refuses, geserve serves (`test_fp16_json_is_a_geserve_extension`);
 - server name/version, `platform`/`backend`/`default_model_filename` (Triton runs these models as `python`),
   nanosecond timings, and the two config fields newer than the `model_config.proto` geserve is built on;
-- the order of `outputs` in a response (Triton's follows its backend; clients look outputs up by name).
+- the order of `outputs` in a response (Triton's follows its backend; clients look outputs up by name);
+- where newer Triton changed its answers, geserve answers as newer Triton (issue 12), asserted beside 2.51's own:
+  an output named twice is refused, JSON nested past 100 levels and a shape past int64 elements are refused in
+  newer Triton's words, a repository index `ready` that is no boolean is worded as newer Triton words it;
+- a gzip body of several members (a client compressing as it streams) and a gzip transfer coding, which Triton
+  2.51 does not decode, geserve decodes (`test_gzip_members_and_transfer_codings_geserve_decodes`).
 
 Both serve system shared memory (geserve behind `--allow-system-shared-memory`): two regions, `in` (holding the
 inputs the shared memory cases read) and `out`, are registered on both servers at the start, over HTTP.
@@ -33,6 +38,7 @@ import functools
 import gzip
 import http.client
 import json
+import socket
 import struct
 import time
 import zlib
@@ -675,8 +681,6 @@ INFERS = [
           {"inputs": [{**simple_json()["inputs"][0], "data": [A.tolist()]}, simple_json()["inputs"][1]]},
           expected=_BOTH),
     Infer("json-empty-outputs-means-all", "simple", _with_outputs(), expected=_BOTH),
-    Infer("json-output-asked-twice-returned-once", "simple", _with_outputs({"name": "OUTPUT0"}, {"name": "OUTPUT0"}),
-          expected={"OUTPUT0": _SUM[None]}),
     Infer("json-unknown-parameters-pass", "simple",
           simple_json(parameters={"custom": "x", "priority": 0, "timeout": 1_000_000}), expected=_BOTH),
     Infer("json-input-and-output-parameters-pass", "simple",
@@ -768,6 +772,70 @@ def test_inference(servers: Servers, case: Infer) -> None:
     triton, geserve = servers.both("POST", case.url, body, case.headers)
     header = assert_same_outputs(triton, geserve, case.expected)
     assert header.get("id") == (body.get("id") if isinstance(body, dict) else None)
+
+
+def test_output_asked_twice_triton_251_answers_once_geserve_refuses_as_newer_triton(servers: Servers) -> None:
+    """Triton 2.51 answers an output named twice once; newer Triton refuses it (triton-inference-server/core#493,
+    the duplicate's buffers leaked), and so does geserve, in the words of Triton's input twin."""
+    body = _with_outputs({"name": "OUTPUT0"}, {"name": "OUTPUT0"})
+    triton, geserve = servers.both("POST", "/v2/models/simple/infer", body)
+    assert triton.status == 200 and [o["name"] for o in triton.json()["outputs"]] == ["OUTPUT0"]
+    assert decode_outputs(triton)[1]["OUTPUT0"].tolist() == _SUM[None].tolist()
+    assert (geserve.status, geserve.content_type) == (400, JSON_CT)
+    assert geserve.error() == "[request id: <id_unknown>] output 'OUTPUT0' already exists in request"
+
+
+def test_newer_triton_limits_nesting_and_element_count(servers: Servers) -> None:
+    """JSON past 100 levels and a shape past int64 elements: Triton 2.51 parses on and refuses what it finds (500,
+    a data count that does not match); newer Triton refuses them first in the words geserve answers with (400)."""
+    body = simple_json()
+    body["inputs"][0]["data"] = "deep"
+    deep = json.dumps(body).encode().replace(b'"deep"', b"[" * 150 + b"1" + b"]" * 150)
+    triton, geserve = servers.both("POST", "/v2/models/simple/infer", deep)
+    assert triton.status == 500 and triton.error().startswith("Unable to parse 'data'")
+    assert (geserve.status, geserve.error()) == (400, "JSON nesting depth exceeds maximum allowed limit (100)")
+    body = simple_json()
+    body["inputs"][0]["shape"] = [16, 2**60 + 2]
+    triton, geserve = servers.both("POST", "/v2/models/simple/infer", body)
+    assert triton.status == 500 and triton.error().startswith("Unable to parse 'data'")
+    assert (geserve.status, geserve.error()) == (
+        400, f"input 'INPUT0' with shape [16,{2**60 + 2}] causes total element count to exceed maximum size of "
+             f"{2**63 - 1}")
+
+
+def test_repository_index_ready_not_boolean_in_newer_tritons_words(servers: Servers) -> None:
+    triton, geserve = servers.both("POST", "/v2/repository/index", b'{"ready": "yes"}')
+    assert triton.error() == "attempt to access JSON non-boolean as boolean"  # 2.51's words
+    assert geserve.error() == "Invalid value for 'ready': expected a boolean"
+
+
+def test_gzip_members_and_transfer_codings_geserve_decodes(servers: Servers) -> None:
+    """A client that gzips each piece as it streams writes one member per piece: Triton 2.51 (and geserve before
+    issue 12) decoded only the first and failed on the cut JSON. A gzip transfer coding Triton 2.51 leaves encoded."""
+    plain = json.dumps(simple_json()).encode()
+    members = b"".join(gzip.compress(plain[at:at + 40]) for at in range(0, len(plain), 40))
+    triton, geserve = servers.both("POST", "/v2/models/simple/infer", members, {"Content-Encoding": "gzip"})
+    assert triton.status == 500 and triton.error().startswith("failed to parse the request JSON buffer")
+    assert geserve.status == 200
+    assert decode_outputs(geserve)[1]["OUTPUT0"].tolist() == _SUM[None].tolist()
+    # Data after the end that is no member is ignored by both, as gzip(1) does.
+    triton, geserve = servers.both("POST", "/v2/models/simple/infer", gzip.compress(plain) + b"junk",
+                                   {"Content-Encoding": "gzip"})
+    assert (triton.status, geserve.status) == (200, 200)
+    compressed = gzip.compress(plain)
+    chunked = f"{len(compressed):x}\r\n".encode() + compressed + b"\r\n0\r\n\r\n"
+    replies = []
+    for base in (servers.triton, servers.geserve):
+        url = urlsplit(base)
+        raw = (b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+               b"Connection: close\r\n\r\n" + chunked)
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        replies.append(int(data.split(b" ", 2)[1]))
+    assert replies == [400, 200]
 
 
 def test_shared_memory_outputs(servers: Servers) -> None:

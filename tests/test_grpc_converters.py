@@ -120,3 +120,59 @@ def test_registry_real_dev_shm_round_trip() -> None:
         registry.close()
     finally:
         path.unlink()
+
+
+# ---- issue 12: malformed messages, Triton's newer texts, faults the fuzzer found ---------------------------
+
+
+def test_bytes_that_do_not_parse_become_unparsable_not_an_exception() -> None:
+    """grpc.aio answers a deserializer's exception UNKNOWN before the servicer runs; the tolerant parser hands the
+    servicer an `Unparsable` instead, which it answers INVALID_ARGUMENT."""
+    parse = convert.tolerant_parser(pb.ModelInferRequest)
+    assert parse(pb.ModelInferRequest(model_name="m").SerializeToString()).model_name == "m"
+    for garbage in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x02\xc3\x28", b"\x08" + b"\x80" * 10):
+        parsed = parse(garbage)
+        assert type(parsed) is convert.Unparsable, garbage
+        error = parsed.error()
+        assert isinstance(error, InvalidArgumentError)
+        assert error.message.startswith("Unable to parse request: Error parsing message with type "
+                                        "'inference.ModelInferRequest'")
+
+
+def test_every_rpc_is_registered_with_a_tolerant_parser() -> None:
+    from geserve.frontends.grpc.server import GrpcInferenceServicer, inference_handler
+
+    servicer = GrpcInferenceServicer(None)  # type: ignore[arg-type]  # registration reads no service
+    handler = inference_handler(servicer)
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        details = type("Details", (), {"method": f"/inference.GRPCInferenceService/{method.name}"})()
+        rpc = handler.service(details)
+        assert rpc is not None, method.name
+        assert type(rpc.request_deserializer(b"\xff\xff")) is convert.Unparsable, method.name
+        assert rpc.request_streaming == method.client_streaming, method.name
+
+
+def test_a_shape_past_int64_elements_is_refused_at_decoding(registry: SharedMemoryRegistry) -> None:
+    message = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 4])
+    message.inputs.add(name="IN", datatype="INT32", shape=[2**62, 2**62])
+    with pytest.raises(InvalidArgumentError) as caught:
+        convert.from_model_infer_request(message, registry)
+    assert caught.value.message == (
+        f"input 'IN' with shape [{2**62},{2**62}] causes total element count to exceed maximum size of {2**63 - 1}"
+    )
+
+
+def test_outputs_named_twice_reach_the_service_as_sent(registry: SharedMemoryRegistry) -> None:
+    """The refusal is the service's rule (validation.prepare), the same for every protocol: the converter keeps
+    both."""
+    message = pb.ModelInferRequest(model_name="m")
+    message.outputs.add(name="OUT")
+    message.outputs.add(name="OUT")
+    request = convert.from_model_infer_request(message, registry).request
+    assert [o.name for o in request.outputs or ()] == ["OUT", "OUT"]
+
+
+def test_a_key_with_a_nul_is_a_key_that_does_not_open(registry: SharedMemoryRegistry) -> None:
+    """Found by tests/test_fuzz.py: os.open raised ValueError (not OSError) for it, answered as an internal error."""
+    with pytest.raises(InternalError, match="Unable to open shared memory region"):
+        registry.register("r", "/k\x00ey", 0, 8)

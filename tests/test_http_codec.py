@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from geserve.errors import InvalidArgumentError
-from geserve.frontends.http.codec import decode_infer_request, encode_infer_response, tensor_bytes
+from geserve.frontends.http.codec import (
+    RequestParseError,
+    decode_infer_request,
+    encode_infer_response,
+    json_depth,
+    parse_json,
+    tensor_bytes,
+)
 from geserve.types import InferenceResponse, OutputTensor
 
 
@@ -116,3 +123,73 @@ def test_binary_data_output_parameter_makes_every_output_binary() -> None:
     response = InferenceResponse("m", "1", [OutputTensor("x", "BOOL", (2,), np.array([True, False]))])
     parts, length = encode_infer_response(response, request)
     assert length is not None and bytes(parts[1]) == b"\x01\x00"
+
+
+# ---- issue 12: Triton's newer texts, and faults the fuzzer found ------------------------------------------
+
+_INT64_MAX = 2**63 - 1
+
+
+def _simple_json(**extra: object) -> bytes:
+    tensor = {"name": "a", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}
+    return json.dumps({"inputs": [{**tensor, **extra}]}).encode()
+
+
+@pytest.mark.parametrize("shape", [[2**62, 2**62], [16, 2**60 + 2], [2**63], [3, 2**62, 0]],
+                         ids=["square", "tritons-own-case", "one-dim", "past-int64-before-a-zero"])
+def test_a_shape_past_int64_elements_is_refused_in_tritons_words(shape: list[int]) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_infer_request(_simple_json(shape=shape), None, "m", "")
+    assert caught.value.message == (
+        f"input 'a' with shape [{','.join(map(str, shape))}] causes total element count to exceed maximum size of "
+        f"{_INT64_MAX}"
+    )
+
+
+def test_json_nested_deeper_than_100_levels_is_refused_in_tritons_words() -> None:
+    too_deep = "JSON nesting depth exceeds maximum allowed limit (100)"
+    for depth, body in [
+        (101, b"[" * 101 + b"]" * 101),  # orjson parses it: geserve's own check
+        (2000, b"[" * 2000 + b"]" * 2000),  # past orjson's limit: its error, reworded
+        (150, json.dumps({"inputs": []}).encode()[:-1] + b', "parameters": {"x": ' + b"[" * 150 + b"]" * 150 + b"}}"),
+    ]:
+        with pytest.raises(InvalidArgumentError) as caught:
+            parse_json(body)
+        assert caught.value.message == too_deep, depth
+    # 100 levels pass, and brackets inside strings are no nesting
+    assert parse_json(b"[" * 100 + b"]" * 100) is not None
+    assert parse_json(json.dumps({"s": "[" * 500, "t": "\\\"[{" * 50}).encode())["s"] == "[" * 500
+    assert json_depth(b'{"a": [1, {"b": "]]]"}], "c": "[[["}') == 3
+
+
+def test_outputs_named_twice_reach_the_service_as_sent() -> None:
+    """The refusal is the service's rule (validation.prepare), the same for every protocol: the codec keeps both."""
+    body = json.dumps({"inputs": [], "outputs": [{"name": "y"}, {"name": "y"}]}).encode()
+    request = decode_infer_request(body, None, "m", "")
+    assert [o.name for o in request.outputs or ()] == ["y", "y"]
+
+
+@pytest.mark.parametrize(("tensor", "message"), [
+    ({"shape": [True, 2]}, "Unable to parse 'shape' of input 'a': expected non-negative integers"),
+    ({"parameters": [{"k": 1}]}, "Unable to parse 'parameters': expected an object"),
+    ({"name": ["a"]}, "Unable to parse 'name': attempt to access JSON non-string as string"),
+    ({"datatype": ["INT32"]}, "Unable to parse 'datatype': attempt to access JSON non-string as string"),
+], ids=["boolean-dimension", "parameters-array", "name-array", "datatype-array"])
+def test_json_of_the_wrong_type_is_a_parse_error_not_a_crash(tensor: dict, message: str) -> None:
+    """Found by tests/test_fuzz.py: each of these was a TypeError or AttributeError, answered 500."""
+    with pytest.raises(RequestParseError) as caught:
+        decode_infer_request(_simple_json(**tensor), None, "m", "")
+    assert caught.value.message == message
+
+
+def test_output_parameters_of_the_wrong_type_are_a_parse_error() -> None:
+    body = json.dumps({"inputs": [], "outputs": [{"name": "y", "parameters": ["binary_data"]}]}).encode()
+    with pytest.raises(RequestParseError, match="Unable to parse 'parameters': expected an object"):
+        decode_infer_request(body, None, "m", "")
+
+
+def test_a_boolean_binary_data_size_is_refused() -> None:
+    header = {"inputs": [{"name": "a", "shape": [1], "datatype": "UINT8", "parameters": {"binary_data_size": True}}]}
+    body, length = _body(header, b"\x07")
+    with pytest.raises(RequestParseError, match="unexpected binary_data_size True"):
+        decode_infer_request(body, length, "m", "")

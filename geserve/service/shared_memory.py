@@ -63,7 +63,7 @@ class SharedMemoryRegistry:
             if name in self._regions:
                 raise AlreadyExistsError(f"shared memory region '{name}' already in manager")
         path = self._root / key.lstrip("/")
-        if not key.strip("/") or "/" in key.strip("/"):
+        if not key.strip("/") or "/" in key.strip("/") or "\0" in key:  # a NUL would fail os.open with ValueError
             raise InternalError(f"Unable to open shared memory region: '{key}'")
         try:
             fd = os.open(path, os.O_RDWR)

@@ -24,6 +24,8 @@ def _names_text(names: Iterable[str]) -> str:
 
 def prepare(model: LoadedModel, request: InferenceRequest) -> None:
     """Validate `request` and put its inputs in the model's order; sets `request.batch_size`."""
+    if request.outputs:
+        _refuse_repeated_outputs(request)
     specs = model.inputs
     by_name: dict[str, InputTensor] = {}
     for tensor in request.inputs:
@@ -61,6 +63,20 @@ def prepare(model: LoadedModel, request: InferenceRequest) -> None:
                 raise InvalidArgumentError(
                     f"{_prefix(request)}'classification' of output '{output.name}' must be a positive integer"
                 )
+
+
+def _refuse_repeated_outputs(request: InferenceRequest) -> None:
+    """An output named twice is refused, as newer Triton does (triton-inference-server/core#493: the second one's
+    buffers leaked there; 2.51 answered it once). Triton adds requested outputs as it reads the request, before
+    its core checks the inputs, so this comes first. The wording is that of its input twin."""
+    outputs = request.outputs or ()
+    if len(outputs) < 2:
+        return
+    seen: set[str] = set()
+    for output in outputs:
+        if output.name in seen:
+            raise InvalidArgumentError(f"{_prefix(request)}output '{output.name}' already exists in request")
+        seen.add(output.name)
 
 
 def _check_shapes(model: LoadedModel, request: InferenceRequest, inputs: dict[str, InputTensor]) -> int:

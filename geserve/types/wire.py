@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
+from geserve.errors import InvalidArgumentError
 from geserve.types.tensors import Tensor
 
 LENGTH_PREFIX = struct.Struct("<I")
+INT64_MAX = 2**63 - 1  # Triton counts elements in int64: a shape holding more is refused before any allocation
+
+
+def element_count(name: str, shape: Sequence[int]) -> int:
+    """How many elements `shape` holds (negative dimensions are the caller's to refuse).
+
+    Both protocols decode with it, so a shape whose count passes int64 is refused once, in Triton's words, before
+    anything is sized from it ("... causes total element count to exceed maximum size of ...")."""
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > INT64_MAX:
+            dims = ",".join(str(d) for d in shape)
+            raise InvalidArgumentError(
+                f"input '{name}' with shape [{dims}] causes total element count to exceed maximum size of {INT64_MAX}"
+            )
+    return count
 
 
 class FramingError(Exception):

@@ -8,11 +8,13 @@ as the request's `late_fault`, so the service reports them after the core's chec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from tritonclient.grpc import service_pb2 as pb
 
 from geserve.errors import GeserveError, InvalidArgumentError
@@ -27,7 +29,7 @@ from geserve.types import (
     ShmLocation,
     id_prefix,
 )
-from geserve.types.wire import FramingError, split_bytes, tensor_bytes
+from geserve.types.wire import FramingError, element_count, split_bytes, tensor_bytes
 
 INVALID_DATATYPE = "<invalid>"  # what Triton's core calls a datatype it does not know
 _INT64_MAX = 2**63 - 1
@@ -47,6 +49,36 @@ _VERSION_ERROR = (
     "failed to get model version from specified version string '{}' (details: stol), "
     "version should be an integral value > 0"
 )
+
+
+# ---- messages that do not parse ---------------------------------------------------------------------
+
+UNPARSABLE = "Unable to parse request"  # Triton's words (it answers INTERNAL; geserve INVALID_ARGUMENT)
+
+
+@dataclass(frozen=True, slots=True)
+class Unparsable:
+    """What the servicer receives in place of a request whose bytes are not its message: grpc.aio would answer a
+    deserializer's exception UNKNOWN before any servicer code runs, so the deserializer hands this over instead
+    and the servicer answers it INVALID_ARGUMENT, a client's fault like any other."""
+
+    detail: str
+
+    def error(self) -> InvalidArgumentError:
+        return InvalidArgumentError(f"{UNPARSABLE}: {self.detail}")
+
+
+def tolerant_parser(message_type: type[Message]) -> Callable[[bytes], Any]:
+    """`message_type.FromString` that returns an `Unparsable` instead of raising: one try on the hot path."""
+    parse = message_type.FromString
+
+    def decode(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError, or anything else the parser meets in hostile bytes
+            return Unparsable(str(exc) or type(exc).__name__)
+
+    return decode
 
 
 # ---- parameters --------------------------------------------------------------------------------------
@@ -139,11 +171,8 @@ def from_model_infer_request(message: pb.ModelInferRequest, shm: SharedMemoryReg
         inputs.append(InputTensor(name, datatype.wire, shape, data, parameters))
     request.late_fault = deferred
     if len(message.outputs):
-        outputs: dict[str, RequestedOutput] = {}  # an output asked twice is answered once (Triton)
-        for output in message.outputs:
-            if output.name not in outputs:
-                outputs[output.name] = _from_requested_output(output)
-        request.outputs = list(outputs.values())
+        # kept as sent: a name asked twice is the service's to refuse (one rule for every protocol)
+        request.outputs = [_from_requested_output(output) for output in message.outputs]
     return decoded
 
 
@@ -217,9 +246,7 @@ def _decode(
     request: InferenceRequest, name: str, wire: str, shape: tuple[int, ...],
     buffer: bytes | memoryview | None, typed: np.ndarray | list[bytes] | None,
 ) -> tuple[np.ndarray, GeserveError | None]:
-    count = 1
-    for dim in shape:
-        count *= dim
+    count = element_count(name, shape)  # refuses a count past int64 at once, before anything is sized from it
     model = request.model_name
     if min(shape, default=0) < 0:
         return np.empty(0, np.uint8), InvalidArgumentError(

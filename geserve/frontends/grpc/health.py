@@ -14,6 +14,8 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
+from geserve.frontends.grpc.converters import Unparsable, tolerant_parser
+
 SERVICE = "grpc.health.v1.Health"
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
@@ -55,12 +57,14 @@ class HealthService:
         return SERVING if self._ready() else NOT_SERVING
 
     async def check(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await _refuse_unparsable(request, context)
         status = self._status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         return HealthCheckResponse(status=status)
 
     async def watch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        await _refuse_unparsable(request, context)
         last = None
         while True:
             status = self._status(request.service)
@@ -71,8 +75,14 @@ class HealthService:
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        decode, encode = HealthCheckRequest.FromString, HealthCheckResponse.SerializeToString
+        decode, encode = tolerant_parser(HealthCheckRequest), HealthCheckResponse.SerializeToString
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Check": grpc.unary_unary_rpc_method_handler(self.check, decode, encode),
             "Watch": grpc.unary_stream_rpc_method_handler(self.watch, decode, encode),
         })
+
+
+async def _refuse_unparsable(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """Bytes that are not a HealthCheckRequest: INVALID_ARGUMENT, as on the inference service."""
+    if type(request) is Unparsable:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error().message)

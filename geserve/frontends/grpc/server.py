@@ -42,13 +42,16 @@ class GrpcOptions:
 
 
 def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[Message]]:
-    """A unary RPC: a GeserveError becomes its status with its message; anything else INTERNAL, logged."""
+    """A unary RPC: a GeserveError becomes its status with its message; anything else INTERNAL, logged. A request
+    whose bytes did not parse arrives as `Unparsable` and is answered INVALID_ARGUMENT."""
 
     @functools.wraps(method)
     async def wrapper(
         self: GrpcInferenceServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> Message:
         try:
+            if type(request) is convert.Unparsable:
+                raise request.error()
             return await method(self, request, context)
         except GeserveError as exc:
             await context.abort(GRPC_STATUS[exc.code], exc.message)
@@ -146,8 +149,8 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
-        def fault(error: GeserveError, message: pb.ModelInferRequest) -> None:
-            queue.put_nowait(error if strict else convert.to_stream_error(error, message.id))
+        def fault(error: GeserveError, request_id: str) -> None:
+            queue.put_nowait(error if strict else convert.to_stream_error(error, request_id))
 
         async def answer(message: pb.ModelInferRequest) -> None:
             decoded = self._decode(message)
@@ -155,21 +158,24 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for item in self._service.infer_stream(request, call):
                     if item.error is not None:
-                        fault(item.error, message)
+                        fault(item.error, message.id)
                     elif item.response is not None:
                         queue.put_nowait(convert.to_stream_response(item.response, request, item.final))
                     elif decoded.empty_final:
                         empty = InferenceResponse(request.model_name, request.model_version, [], request.id)
                         queue.put_nowait(convert.to_stream_response(empty, request))
             except GeserveError as exc:
-                fault(exc, message)
+                fault(exc, message.id)
             except Exception as exc:
                 logger.exception("unhandled error serving a streamed request")
-                fault(InternalError(f"internal error: {exc}"), message)
+                fault(InternalError(f"internal error: {exc}"), message.id)
 
         async def read() -> None:
             try:
                 async for message in request_iterator:
+                    if type(message) is convert.Unparsable:  # answered like any refused request; the stream goes on
+                        fault(message.error(), "")
+                        continue
                     task = asyncio.create_task(answer(message))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -298,7 +304,7 @@ class GrpcServer:
             ("grpc.so_reuseport", 0),  # a port already in use fails the start instead of being shared
         ])
         servicer = GrpcInferenceServicer(self._service)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((inference_handler(servicer),))
         health = HealthService(lambda: self._service.ready(CallContext(Transport.GRPC)))
         server.add_generic_rpc_handlers((health.handler(),))
         try:
@@ -315,6 +321,26 @@ class GrpcServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+
+def inference_handler(servicer: GrpcInferenceServicer) -> grpc.GenericRpcHandler:
+    """Every RPC of inference.GRPCInferenceService, from service_pb2's descriptor, as the generated
+    `add_GRPCInferenceServiceServicer_to_server` registers them but with tolerant request parsers: bytes that are
+    not the request message reach the servicer as `Unparsable` (answered INVALID_ARGUMENT) instead of failing
+    inside grpc.aio, which would answer UNKNOWN."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name)
+        parse = convert.tolerant_parser(getattr(pb, method.input_type.name))
+        encode = getattr(pb, method.output_type.name).SerializeToString
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, parse, encode)
+        elif not method.client_streaming and not method.server_streaming:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behaviour, parse, encode)
+        else:  # the protocol has no such RPC today; one added later must be wired here knowingly
+            raise NotImplementedError(f"{method.full_name}: unsupported streaming shape")
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def _refuse_repository_name(request: Any) -> None:

@@ -126,7 +126,7 @@ class HttpFrontend:
                 options = parse_json(body) if body.strip() else {}
                 ready = options.get("ready", False) if isinstance(options, dict) else False
                 if not isinstance(ready, bool):
-                    raise InvalidArgumentError("Unable to parse 'ready': attempt to access JSON non-boolean as boolean")
+                    raise RequestParseError("Invalid value for 'ready': expected a boolean")  # newer Triton's words
                 return _json(service.repository_index(ready, context))
             if len(parts) == 5 and parts[2] == "models" and parts[3] and parts[4] in ("load", "unload"):
                 if method != "POST":
@@ -288,8 +288,10 @@ class HttpFrontend:
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         encoding = headers.get(b"content-encoding")
-        if encoding:
-            body = _decompress(body, encoding.strip().lower(), limit)
+        transfer = headers.get(b"transfer-encoding")
+        if encoding or (transfer and transfer.strip().lower() != b"chunked"):
+            for coding in reversed(_codings(encoding, transfer)):  # the last applied is the first undone
+                body = _decompress(body, coding, limit)
         return body
 
 
@@ -356,6 +358,13 @@ def _trace_changes(body: Any) -> dict[str, list[str]]:
     return changes
 
 
+# A body of many tiny gzip members costs a decoder each: bounded, far above what a streaming client writes (one
+# member per chunk: 64 MiB in 4 KiB chunks is 16384).
+_MAX_GZIP_MEMBERS = 16384
+_INFLATE_STEP = 16 * 1024
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def _too_large(size: int, limit: int) -> str:
     return (
         f"request size of {size} bytes exceeds the maximum allowed value of {limit} bytes; "
@@ -363,20 +372,56 @@ def _too_large(size: int, limit: int) -> str:
     )
 
 
+def _codings(content: bytes | None, transfer: bytes | None) -> list[bytes]:
+    """The codings applied to a request body, in the order they were applied: its Content-Encoding list, then the
+    Transfer-Encoding list but `chunked` (the HTTP server has undone that one). `identity` changes nothing."""
+    codings = []
+    for header, skipped in ((content, b""), (transfer, b"chunked")):
+        if header:
+            for item in header.split(b","):
+                coding = item.strip().lower()
+                if coding and coding not in (b"identity", skipped):
+                    codings.append(coding)
+    return codings
+
+
 def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
-    if encoding == b"identity":
-        return body
-    if encoding not in (b"gzip", b"deflate"):
+    """`body` decoded, at most `limit` bytes of it.
+
+    A gzip body may hold several members one after another (RFC 1952): what a client writes when it compresses
+    as it streams, one member per chunk or flush. Each is decoded and the results joined, as gzip(1) does; before,
+    only the first was, and the cut-off JSON was answered 400 (as Triton 2.51 still does). As in Triton and before,
+    a stream cut short yields what it holds and data after the end that is no gzip member is ignored: the parse
+    that follows judges the result."""
+    if encoding not in (b"gzip", b"x-gzip", b"deflate"):
         raise UnsupportedEncoding("Unsupported compression type")
-    wbits = 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        result = decompressor.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise InvalidArgumentError(f"failed to decompress the {encoding.decode()} request body: {exc}") from None
-    if len(result) > limit or decompressor.unconsumed_tail:
-        raise BodyTooLarge(_too_large(len(result), limit))
-    return result
+    failed = f"failed to decompress the {encoding.decode()} request body: "
+    deflate = encoding == b"deflate"
+    wbits = zlib.MAX_WBITS if deflate else 16 + zlib.MAX_WBITS
+    view = memoryview(body)
+    parts: list[bytes] = []
+    size = offset = members = 0
+    while offset < len(body):
+        members += 1
+        if members > _MAX_GZIP_MEMBERS:
+            raise InvalidArgumentError(f"{failed}more than {_MAX_GZIP_MEMBERS} gzip members")
+        decompressor = zlib.decompressobj(wbits)
+        while not decompressor.eof and offset < len(body):
+            # The first member gets the rest of the body in one call (the usual body is one member); later ones get
+            # bounded slices, so that the copy zlib makes of the data after a member stays small however many follow.
+            chunk = view[offset:] if members == 1 else view[offset : offset + _INFLATE_STEP]
+            try:
+                part = decompressor.decompress(chunk, limit + 1 - size)
+            except zlib.error as exc:
+                raise InvalidArgumentError(f"{failed}{exc}") from None
+            size += len(part)
+            if size > limit:  # also the only way input is left unconsumed (`unconsumed_tail`)
+                raise BodyTooLarge(_too_large(size, limit))
+            parts.append(part)
+            offset += len(chunk) - len(decompressor.unused_data)
+        if deflate or not decompressor.eof or view[offset : offset + 2] != _GZIP_MAGIC:
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _response_encoding(accept: bytes | None) -> bytes | None:

@@ -6,6 +6,7 @@ view straight into the request body (`np.frombuffer`), never a copy.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from geserve.types import (
     ShmLocation,
     id_prefix,
 )
-from geserve.types.wire import FramingError, split_bytes, tensor_bytes
+from geserve.types.wire import FramingError, element_count, split_bytes, tensor_bytes
 
 _NUMPY_JSON = orjson.OPT_SERIALIZE_NUMPY
 _ORJSON_NATIVE_KINDS = frozenset("biuf")
@@ -33,17 +34,47 @@ _NOT_BOOLEAN = "Unable to parse '{}': attempt to access JSON non-boolean as bool
 _KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats", "U": "strings"}
 _SHM = "shared_memory_region"
 _NOT_UNSIGNED = "Unable to parse '{}': attempt to access JSON non-unsigned-integer as unsigned-integer"
+_NOT_STRING = "Unable to parse '{}': attempt to access JSON non-string as string"
+_NOT_OBJECT = "Unable to parse 'parameters': expected an object"
 
 
 class RequestParseError(InvalidArgumentError):
     """The body is not a well-formed request (Triton answers these with 500; geserve with 400)."""
 
 
+MAX_JSON_DEPTH = 100  # Triton's limit on nested arrays and objects in a request
+_TOO_DEEP = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})"
+# A JSON string, escapes included: brackets inside strings are no nesting. Written unrolled (no alternation under a
+# repeat), so matching is linear.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+
+
 def parse_json(body: bytes | memoryview, what: str = "request") -> Any:
+    """The body's JSON, refused with Triton's words when nested deeper than Triton allows (100 levels).
+
+    orjson's own limit is 1024 levels. The depth is checked after a successful parse and only when the body holds
+    more than 100 opening brackets (two C-speed counts), so the usual request pays nothing; such a body has its
+    strings blanked and its bracket depth summed with numpy (linear in the body, a fraction of the parse)."""
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc) or "recursion" in str(exc).lower():  # past orjson's own limit
+            raise RequestParseError(_TOO_DEEP) from None
         raise RequestParseError(f"failed to parse the {what} JSON buffer: {exc}") from None
+    raw = body if isinstance(body, bytes) else body.tobytes()  # a memoryview is only ever a short JSON header
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(raw) > MAX_JSON_DEPTH:
+        raise RequestParseError(_TOO_DEEP)
+    return value
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of a well-formed JSON text nest (0 for a scalar)."""
+    steps = _BRACKET_STEP[np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)]
+    steps = steps[steps != 0]
+    return int(np.cumsum(steps, dtype=np.int64).max()) if steps.size else 0
 
 
 # ---- requests ---------------------------------------------------------------------------------------
@@ -65,7 +96,7 @@ def decode_infer_request(
         raise InvalidArgumentError(
             f"inference header size should be in range (0, {len(body)}), got: {header_length}"
         )
-    header = parse_json(memoryview(body)[:header_length])
+    header = parse_json(body if header_length == len(body) else memoryview(body)[:header_length])
     if not isinstance(header, dict):
         raise RequestParseError("the inference request must be a JSON object")
     try:
@@ -99,11 +130,8 @@ def decode_infer_request(
     if outputs:  # absent or empty: every output, as Triton
         if not isinstance(outputs, list):
             raise RequestParseError("Unable to parse 'outputs': expected an array")
-        wanted: dict[str, RequestedOutput] = {}
-        for item in outputs:
-            output = _decode_output(item)
-            wanted.setdefault(output.name, output)  # a name asked twice is returned once
-        request.outputs = list(wanted.values())
+        # kept as sent: a name asked twice is the service's to refuse (one rule for every protocol)
+        request.outputs = [_decode_output(item) for item in outputs]
     return request
 
 
@@ -120,16 +148,18 @@ def _decode_input(
         raise RequestParseError(
             f"Unable to parse {exc}: attempt to access non-existing object member {exc}"
         ) from None
+    for key, value in (("name", name), ("datatype", datatype_name)):
+        if not isinstance(value, str):  # a list would not even hash as a lookup key
+            raise RequestParseError(_NOT_STRING.format(key))
     datatype = BY_WIRE.get(datatype_name)
     if datatype is None:
         raise InvalidArgumentError(f"invalid datatype for input {name}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    # `type(d) is int`: JSON true is no dimension (bool is an int to isinstance)
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise RequestParseError(f"Unable to parse 'shape' of input '{name}': expected non-negative integers")
     shape_t = tuple(shape)
-    count = 1
-    for dim in shape_t:
-        count *= dim
-    parameters = item.get("parameters") or {}
+    count = element_count(name, shape_t)
+    parameters = _parameters(item)
     size = parameters.get("binary_data_size")
     if parameters and _SHM in parameters:
         given = [k for k, present in (("'data'", "data" in item), ("'binary_data_size'", size is not None)) if present]
@@ -142,7 +172,7 @@ def _decode_input(
         data = _shm_input(name, datatype.wire, datatype.numpy, shape_t, count, view, header, model)
         return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
     if size is not None:
-        if not isinstance(size, int) or size < 0 or offset + size > len(body):
+        if type(size) is not int or size < 0 or offset + size > len(body):
             raise RequestParseError(
                 f"unexpected binary_data_size {size} for input '{name}': only {len(body) - offset} bytes remain"
             )
@@ -163,6 +193,16 @@ def _decode_input(
             raise RequestParseError(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
         data = _json_to_array(name, item["data"], datatype.wire, datatype.numpy, count).reshape(shape_t)
     return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
+
+
+def _parameters(item: dict[str, Any]) -> dict[str, Any]:
+    """A tensor's `parameters`: absent, null or an object."""
+    parameters = item.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise RequestParseError(_NOT_OBJECT)
+    return parameters
 
 
 def _shm_location(parameters: dict[str, Any]) -> ShmLocation:
@@ -275,7 +315,7 @@ def _bytes_ended(name: str, index: int) -> InvalidArgumentError:
 def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
     """The request's parameters as JSON gave them; the service applies priority, timeout and reserved keys."""
     if not isinstance(parameters, dict):
-        raise RequestParseError("Unable to parse 'parameters': expected an object")
+        raise RequestParseError(_NOT_OBJECT)
     binary = parameters.get("binary_data_output")
     if binary is not None and not isinstance(binary, bool):
         raise RequestParseError(_NOT_BOOLEAN.format("binary_data_output"))
@@ -285,7 +325,7 @@ def _apply_parameters(request: InferenceRequest, parameters: Any) -> None:
 def _decode_output(item: Any) -> RequestedOutput:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise RequestParseError("Unable to parse 'outputs': each output needs a 'name'")
-    parameters = item.get("parameters") or {}
+    parameters = _parameters(item)
     classification = parameters.get("classification")
     if classification is not None and (not isinstance(classification, int) or isinstance(classification, bool)):
         raise InvalidArgumentError(f"'classification' of output '{item['name']}' must be an integer")
