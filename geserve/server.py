@@ -15,6 +15,7 @@ from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.base import Frontend
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
+from geserve.frontends.http.native_server import HttpLimits
 from geserve.frontends.http.server import HttpService
 from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.metrics import CustomMetricStore, MetricsConfig
@@ -83,12 +84,28 @@ class Server:
             self.frontends.append(_metrics_service(settings, metrics_config, self.manager, self.custom_metrics))
         if settings.allow_grpc:
             self.frontends.append(GrpcServer(self.service, GrpcOptions(
-                settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size)))
+                settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
+                keepalive_time_ms=settings.grpc_keepalive_time_ms,
+                keepalive_timeout_ms=settings.grpc_keepalive_timeout_ms,
+                keepalive_permit_without_calls=settings.grpc_keepalive_permit_without_calls,
+                http2_max_pings_without_data=settings.grpc_http2_max_pings_without_data,
+                http2_min_recv_ping_interval_without_data_ms=settings.grpc_http2_min_recv_ping_interval_without_data_ms,
+                http2_max_ping_strikes=settings.grpc_http2_max_ping_strikes,
+                max_concurrent_streams=settings.grpc_max_concurrent_streams,
+            )))
         if settings.allow_http:
             app = HttpFrontend(self.service, settings.http_max_input_size)
             self.frontends.append(HttpService(
                 app, settings.http_address, settings.http_port, log_verbose=settings.log_verbose,
                 kind=settings.http_server, max_body_size=settings.http_max_input_size,
+                limits=HttpLimits(
+                    header_timeout=settings.http_header_timeout_secs,
+                    idle_timeout=settings.http_idle_timeout_secs,
+                    body_timeout=settings.http_body_timeout_secs,
+                    max_header_size=settings.http_max_header_size,
+                    max_header_count=settings.http_max_header_count,
+                    max_connections=settings.http_max_connections,
+                ),
             ))
         self._started: list[Frontend] = []
 

@@ -106,3 +106,13 @@ def test_oversized_body_refused_before_it_is_sent(good_repo: Path, tmp_path: Pat
         sock.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n")
         data = _read_until_closed(sock)  # the server answers and closes without waiting for 5 MB
         assert data.startswith(b"HTTP/1.1 400") and b"--http-max-input-size" in data
+
+
+def test_a_malformed_request_after_a_good_one_is_answered_in_turn(server: RunningServer) -> None:
+    """The 400 for a request that does not parse waits for the answer owed before it, then the connection closes."""
+    with _connect(server) as sock:
+        sock.sendall(_request("POST", "/v2/models/simple/infer", INFER) + b"THIS IS NOT HTTP\r\n\r\n")
+        ((status, answer),) = _read_responses(sock, 1)
+        rest = _read_until_closed(sock)
+    assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2 * i for i in range(16)]
+    assert rest.startswith(b"HTTP/1.1 400")

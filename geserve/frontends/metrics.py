@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from geserve.frontends.http.native_server import NativeHttpServer
+from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
 from geserve.metrics import CONTENT_TYPE, render
 from geserve.metrics.system import CpuSampler
 
@@ -19,6 +19,13 @@ logger = logging.getLogger(__name__)
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _MAX_BODY = 64 * 1024
+# A scrape is one small GET from a few scrapers that keep their connection between scrapes (Prometheus's
+# default interval is 15 s to 1 min): short head and body timeouts, an idle timeout past a minute's interval,
+# small heads, and room for a few dozen scrapers and dashboards, not for a flood.
+_LIMITS = HttpLimits(
+    header_timeout=10.0, idle_timeout=90.0, body_timeout=10.0, max_header_size=16 * 1024, max_header_count=64,
+    max_connections=128,
+)
 
 
 class MetricsApp:
@@ -73,7 +80,7 @@ class MetricsService:
         address, port = self.options.address, self.options.port
         if self._cpu is not None:
             self._cpu.sample()  # before the first scrape can arrive
-        http = NativeHttpServer(MetricsApp(self.registry), address, port, _MAX_BODY)
+        http = NativeHttpServer(MetricsApp(self.registry), address, port, _MAX_BODY, _LIMITS)
         task = asyncio.create_task(http.serve(), name="metrics-http")
         while not http.started and not task.done():
             await asyncio.sleep(0.01)

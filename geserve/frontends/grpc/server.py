@@ -39,6 +39,38 @@ class GrpcOptions:
     """Accepted for tritonserver compatibility; grpc.aio allocates per call."""
     max_message_size: int = INT32_MAX
     """Largest message sent or received, in bytes (Triton's limit: INT32_MAX)."""
+    # Triton's keepalive flags and their defaults (gRPC core's own for a server).
+    keepalive_time_ms: int = 7_200_000
+    """Period of the server's keepalive pings."""
+    keepalive_timeout_ms: int = 20_000
+    """How long a keepalive ping may go unacknowledged before the connection is closed."""
+    keepalive_permit_without_calls: bool = False
+    """Allow keepalive pings on a connection with no call under way."""
+    http2_max_pings_without_data: int = 2
+    """Pings the server may send with no data frame between them (0: no limit); current gRPC core applies it
+    to clients only, and Triton passes it all the same."""
+    http2_min_recv_ping_interval_without_data_ms: int = 300_000
+    """A client's pings closer together than this, with no data between, each earn a strike."""
+    http2_max_ping_strikes: int = 2
+    """Strikes before the server closes the connection (GOAWAY "too_many_pings"; 0: no limit)."""
+    max_concurrent_streams: int = 1024
+    """Most calls (HTTP/2 streams) open at once on one connection; further ones wait for one to end."""
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """The grpc server's channel arguments for these options."""
+        return [
+            ("grpc.max_send_message_length", self.max_message_size),
+            ("grpc.max_receive_message_length", self.max_message_size),
+            ("grpc.so_reuseport", 0),  # a port already in use fails the start instead of being shared
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
+            ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
+            # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, whose string keeps its older name.
+            ("grpc.http2.min_ping_interval_without_data_ms", self.http2_min_recv_ping_interval_without_data_ms),
+            ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+        ]
 
 
 def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[Message]]:
@@ -297,12 +329,7 @@ class GrpcServer:
         return f"{host}:{self.options.port}"
 
     async def start(self) -> None:
-        size = self.options.max_message_size
-        server = grpc.aio.server(options=[
-            ("grpc.max_send_message_length", size),
-            ("grpc.max_receive_message_length", size),
-            ("grpc.so_reuseport", 0),  # a port already in use fails the start instead of being shared
-        ])
+        server = grpc.aio.server(options=self.options.channel_options())
         servicer = GrpcInferenceServicer(self._service)
         server.add_generic_rpc_handlers((inference_handler(servicer),))
         health = HealthService(lambda: self._service.ready(CallContext(Transport.GRPC)))

@@ -4,14 +4,25 @@ Written here because uvicorn spent ~100 µs of CPU per request on its ASGI plumb
 (measured on a trivial app): for small models that is most of the served latency. It does what the
 inference protocol needs: keep-alive, pipelining (answered in order), Content-Length and chunked request
 bodies, `Expect: 100-continue`, a body-size limit enforced while reading, and a graceful stop.
+
+Connection limits (`HttpLimits`, the --http-* flags) keep slow, idle and hostile clients from holding the
+server: a header-read timeout, an idle keep-alive timeout and a body-progress timeout (408), a cap on header
+size and count (431), and a cap on open connections. The timeouts cost a request nothing but a few attribute
+stores: each connection records its phase and when it entered it on a coarse clock, and one periodic sweep
+(at most every second) closes the connections whose phase has lasted too long. The server accepts its own
+connections, so that at the connection cap, or when file descriptors run out, it can stop accepting and
+leave new connections waiting in the listen backlog rather than refusing them (see `_accept`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import errno
+import json
 import logging
+import math
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -22,11 +33,42 @@ logger = logging.getLogger(__name__)
 
 _REASONS = {
     100: b"Continue", 200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
-    409: b"Conflict", 413: b"Payload Too Large", 500: b"Internal Server Error", 501: b"Not Implemented",
-    503: b"Service Unavailable",
+    408: b"Request Timeout", 409: b"Conflict", 413: b"Payload Too Large", 431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error", 501: b"Not Implemented", 503: b"Service Unavailable",
 }
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 64  # requests parsed ahead of the one being answered before reading pauses
+
+# A connection's phase, which picks the timeout that applies to it (`_Connection.expire`).
+_NEW, _HEAD, _BODY, _IDLE = 0, 1, 2, 3  # connected, nothing yet / in a request's head / in its body / between
+# Most bytes one data_received call can carry (asyncio's and uvloop's read size): a head still incomplete after
+# a read may have counted up to this many bytes of the previous request, so the raw guard allows for them.
+_READ_SLACK = 256 * 1024
+_ACCEPT_RETRY_FIRST, _ACCEPT_RETRY_MAX = 0.05, 1.0  # seconds before accepting again when descriptors ran out
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_WARN_EVERY = 10.0  # seconds between two warnings of the same kind (a flood must not flood the log)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one HTTP client may hold of the server (the --http-* flags; 0 turns a limit off)."""
+
+    header_timeout: float = 15.0
+    """Seconds a request's line and headers may take from its first byte (a new connection's: from connecting)."""
+    idle_timeout: float = 60.0
+    """Seconds a keep-alive connection may wait, with no request under way, for its next request."""
+    body_timeout: float = 30.0
+    """Seconds a request body may go without a byte arriving."""
+    max_header_size: int = 64 * 1024
+    """Largest request line plus headers, in bytes."""
+    max_header_count: int = 100
+    """Most header fields in one request."""
+    max_connections: int = 1024
+    """Most connections open at once; further ones wait in the listen backlog."""
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a request head over the limits (answered 431)."""
 
 
 @dataclass(slots=True)
@@ -39,6 +81,8 @@ class _Request:
     http_version: str
     body: list[bytes] = field(default_factory=list)
     too_large: bool = False
+    rejection: tuple[int, bytes] | None = None
+    """Set on a stand-in for a request that could not be parsed: the answer owed, in its turn, before closing."""
 
 
 class _Connection(asyncio.Protocol):
@@ -54,28 +98,46 @@ class _Connection(asyncio.Protocol):
         self._worker: asyncio.Task[None] | None = None
         self._paused = False
         self._closing = False
+        self._stopped_reading = False  # a rejection is owed: nothing more is parsed
+        self.made = False
+        # The phase and when it began, on the server's coarse clock (see NativeHttpServer.clock).
+        self._phase = _NEW
+        self._since = server.clock
+        self._head_size = 0  # bytes of the header names and values (for the 431 check)
+        self._head_raw = 0  # bytes read while a head stays incomplete (bounds a header that never ends)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self.made = True
         self._server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
+        self._server.release(self)
         self._closing = True
         if self._worker is not None and not self._worker.done():
             self._worker.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self._closing or self._stopped_reading:
             return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._reject(400, b'{"error":"protocol upgrades are not supported"}')
+            return
         except httptools.HttpParserError as exc:
-            self._reject(400, b'{"error":"malformed HTTP request: %s"}' % str(exc).encode(errors="replace"))
+            if isinstance(exc.__context__, _HeadTooLarge):
+                self._reject(431, self._server.head_too_large)
+            else:
+                self._reject(400, b'{"error":"malformed HTTP request: %s"}' % str(exc).encode(errors="replace"))
+            return
+        if self._phase == _HEAD:
+            # httptools buffers a header field until it ends; a field that never ends is stopped here.
+            self._head_raw += len(data)
+            if self._head_raw > self._server.max_header_size + _READ_SLACK:
+                self._reject(431, self._server.head_too_large)
 
     # ---- httptools callbacks -------------------------------------------------------------------
 
@@ -83,14 +145,26 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._body_size = 0
+        self._head_size = self._head_raw = 0
+        if self._phase != _NEW:  # a new connection's head is timed from connecting, not from its first byte
+            self._since = self._server.clock
+        self._phase = _HEAD
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
+        self._head_size += len(name) + len(value)
 
     def on_headers_complete(self) -> None:
+        # The head's limits, checked once it is whole (the raw guard in data_received bounds it until then).
+        server = self._server
+        count = len(self._headers)
+        if count > server.max_header_count or len(self._url) + self._head_size + 4 * count > server.max_header_size:
+            raise _HeadTooLarge
+        self._phase = _BODY
+        self._since = server.clock
         parsed = httptools.parse_url(self._url)
         request = _Request(
             method=self._parser.get_method().decode(),
@@ -108,11 +182,12 @@ class _Connection(asyncio.Protocol):
             elif name == b"expect" and value.lower() == b"100-continue":
                 expects_continue = True
         if request.too_large and not self._pending and (self._worker is None or self._worker.done()):
-            self._reject(400, self._server.too_large_body())  # refused before its body is read
+            self._write_and_close(400, self._server.too_large_body())  # refused before its body is read
         elif expects_continue and not request.too_large and self._transport is not None:
             self._transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
+        self._since = self._server.clock  # progress: the body timeout counts from the last byte
         request = self._current
         if request is None or request.too_large:
             return
@@ -124,6 +199,8 @@ class _Connection(asyncio.Protocol):
             request.body.append(body)
 
     def on_message_complete(self) -> None:
+        self._phase = _IDLE
+        self._since = self._server.clock
         request, self._current = self._current, None
         if request is None or self._closing:
             return
@@ -143,8 +220,9 @@ class _Connection(asyncio.Protocol):
             if self._paused and len(self._pending) <= _MAX_PIPELINED // 2 and self._transport is not None:
                 self._transport.resume_reading()
                 self._paused = False
-            if request.too_large:
-                self._reject(400, self._server.too_large_body())
+            if request.too_large or request.rejection is not None:
+                status, body = request.rejection or (400, self._server.too_large_body())
+                self._write_and_close(status, body)
                 return
             self._server.inflight += 1
             try:
@@ -185,6 +263,17 @@ class _Connection(asyncio.Protocol):
         return request.keep_alive and not response.close_requested
 
     def _reject(self, status: int, body: bytes) -> None:
+        """Answer `status` and close; after the responses still owed on this connection, in their order."""
+        self._stopped_reading = True
+        if self._pending or (self._worker is not None and not self._worker.done()):
+            self._pending.append(_Request("", "", b"", [], False, "1.1", rejection=(status, body)))
+            if not self._paused and self._transport is not None:
+                self._transport.pause_reading()
+                self._paused = True
+            return
+        self._write_and_close(status, body)
+
+    def _write_and_close(self, status: int, body: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
             _ResponseWriter(self._transport, None).write_whole(status, body, close=True)
         self._close()
@@ -197,6 +286,23 @@ class _Connection(asyncio.Protocol):
 
     def close_if_idle(self) -> None:
         if (self._worker is None or self._worker.done()) and not self._pending:
+            self._close()
+
+    def expire(self, now: float, timeouts: tuple[float, float, float, float]) -> None:
+        """Called by the sweep: close the connection if its phase has lasted longer than that phase's timeout."""
+        if self._closing:
+            return
+        if self._pending or (self._worker is not None and not self._worker.done()):
+            # A request under way is the application's time, not the client's: the clock restarts after it.
+            self._since = now
+            return
+        if now - self._since < timeouts[self._phase]:
+            return
+        if self._phase == _HEAD:
+            self._write_and_close(408, self._server.head_timeout_body)
+        elif self._phase == _BODY:
+            self._write_and_close(408, self._server.body_timeout_body)
+        else:  # nothing was asked: a client between requests is closed without an answer, as keep-alive allows
             self._close()
 
 
@@ -254,19 +360,62 @@ class _ResponseWriter:
 
 
 class NativeHttpServer:
-    """Serves one ASGI app on host:port; `started`, `serve()` and `should_exit` mirror uvicorn.Server."""
+    """Serves one ASGI app on host:port within `limits`; `started`, `serve()` and `should_exit` mirror
+    uvicorn.Server."""
 
-    def __init__(self, app: Any, host: str, port: int, max_body_size: int) -> None:
+    def __init__(
+        self, app: Any, host: str, port: int, max_body_size: int, limits: HttpLimits | None = None
+    ) -> None:
         self.app = app
         self.host = host
         self.port = port
         self.max_body_size = max_body_size
+        self.limits = limits = limits or HttpLimits()
         self.connections: set[_Connection] = set()
         self.inflight = 0
         self.started = False
         self.stopping = False
         self._stop = asyncio.Event()
         self._server_address: tuple[str, int] | None = None
+        # Read by every request: plain attributes, with "off" (0) already turned into "no limit".
+        self.max_header_size = limits.max_header_size if limits.max_header_size > 0 else math.inf
+        self.max_header_count = limits.max_header_count if limits.max_header_count > 0 else math.inf
+        self._max_connections = limits.max_connections if limits.max_connections > 0 else math.inf
+        allowed = [f"{limit} {unit}" for limit, unit in
+                   ((limits.max_header_size, "bytes"), (limits.max_header_count, "fields")) if limit > 0]
+        message = (f"request header fields too large: at most {' in '.join(allowed)} "
+                   "(--http-max-header-size, --http-max-header-count)")
+        self.head_too_large = json.dumps({"error": message}, separators=(",", ":")).encode()
+        self.head_timeout_body = (
+            b'{"error":"request timeout: the request headers were not received within %g s '
+            b'(--http-header-timeout-secs)"}' % limits.header_timeout
+        )
+        self.body_timeout_body = (
+            b'{"error":"request timeout: the request body made no progress for %g s '
+            b'(--http-body-timeout-secs)"}' % limits.body_timeout
+        )
+        # The sweep's period: a quarter of the shortest timeout, at most a second. Phases are timed on `clock`,
+        # which only the sweep (and the accept loop) advance, so the start a phase records may be up to one period
+        # earlier than its real start: each timeout gets one period more, so that no client is cut before its
+        # timeout, and each is closed within two periods after it.
+        enabled = [t for t in (limits.header_timeout, limits.idle_timeout, limits.body_timeout) if t > 0]
+        self._sweep_period = min(1.0, max(0.01, min(enabled) / 4)) if enabled else 0.0
+
+        def bound(timeout: float) -> float:
+            return timeout + self._sweep_period if timeout > 0 else math.inf
+
+        header = bound(limits.header_timeout)
+        self._timeouts = (header, header, bound(limits.body_timeout), bound(limits.idle_timeout))
+        self.clock = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting = False
+        self._open = 0  # accepted sockets not yet closed: what the connection cap counts
+        self._connecting: dict[asyncio.Task[Any], tuple[socket.socket, _Connection]] = {}
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = _ACCEPT_RETRY_FIRST
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._warned: dict[str, float] = {}
 
     @property
     def should_exit(self) -> bool:
@@ -302,20 +451,163 @@ class NativeHttpServer:
         }
 
     async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Connection(self), self.host, self.port, backlog=2048)
-        sockname = server.sockets[0].getsockname() if server.sockets else (self.host, self.port)
+        loop = self._loop = asyncio.get_running_loop()
+        self.clock = loop.time()
+        self._listeners = await _bind(loop, self.host, self.port, backlog=2048)
+        sockname = self._listeners[0].getsockname()
         self._server_address = (str(sockname[0]), int(sockname[1]))
+        self._resume_accepting()
+        if self._sweep_period:
+            self._sweeper = loop.call_later(self._sweep_period, self._sweep)
         self.started = True
         try:
             await self._stop.wait()
         finally:
-            server.close()
+            self._pause_accepting()
+            for listener in self._listeners:
+                listener.close()
+            self._listeners = []
+            if self._retry is not None:
+                self._retry.cancel()
+            if self._connecting:  # connections accepted but not yet made: let them join the set closed below
+                await asyncio.wait(list(self._connecting), timeout=1.0)
             for connection in list(self.connections):
                 connection.close_if_idle()
             while self.inflight:
                 await asyncio.sleep(0.01)
             for connection in list(self.connections):
                 connection.close_if_idle()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 5)
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+
+    # ---- accepting ------------------------------------------------------------------------------
+    #
+    # Why not loop.create_server: its accept loop cannot be paused, and neither handles running out of file
+    # descriptors well. asyncio logs and retries after a second, but uvloop leaves EMFILE to libuv, which
+    # accepts and closes every pending connection (clients see resets: the issue's "normal client reset"),
+    # and a listen error it does report closes uvloop's server for good. Accepting here, the server can
+    # stop accepting -- remove the listening socket from the loop -- at the connection cap or when descriptors
+    # run out, and leave new connections waiting in the kernel's listen backlog, where a client sees a slow
+    # connect rather than a refusal (accept-and-hold would spend a descriptor on each waiting client, the very
+    # thing that is short). Accepting resumes as soon as a connection closes, or, when descriptors ran out,
+    # after a back-off of 50 ms doubling to 1 s (they may be freed elsewhere): never a busy loop. The price is
+    # a task per connection (connect_accepted_socket), paid once per connection, not per request.
+
+    def _accept(self, listener: socket.socket) -> None:
+        # One connection per readiness event: the listening socket stays readable while more wait (the loop
+        # polls level-triggered), so the loop calls again after what else is ready, and a client connecting
+        # alone does not pay for the failed accept (an exception) that draining the backlog ends with.
+        loop = self._loop
+        assert loop is not None
+        self.clock = loop.time()
+        if self._open >= self._max_connections:
+            self._pause_accepting()
+            self._warn("cap", "HTTP connections at --http-max-connections (%d): new ones wait in the backlog",
+                       self.limits.max_connections)
+            return
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return  # another listener's event, a spurious wake-up, or a client that gave up in the backlog
+        except OSError as exc:
+            # EMFILE / ENFILE (descriptors), ENOBUFS / ENOMEM: the pending connection stays in the backlog.
+            # Anything else is unexpected; backing off all the same keeps a persistent error from spinning.
+            self._pause_accepting()
+            self._retry = loop.call_later(self._retry_delay, self._retry_accepting)
+            self._warn("accept", "accepting HTTP connections paused for %.2f s: %s%s", self._retry_delay,
+                       exc.strerror or exc, "" if exc.errno in _OUT_OF_RESOURCES else " (unexpected)")
+            self._retry_delay = min(self._retry_delay * 2, _ACCEPT_RETRY_MAX)
+            return
+        self._retry_delay = _ACCEPT_RETRY_FIRST
+        self._open += 1
+        connection = _Connection(self)
+        task = loop.create_task(loop.connect_accepted_socket(lambda: connection, sock))
+        self._connecting[task] = (sock, connection)
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task[Any]) -> None:
+        sock, connection = self._connecting.pop(task)
+        error = "cancelled" if task.cancelled() else task.exception()
+        if error is not None and not connection.made:  # e.g. the client reset before the transport was made
+            logger.debug("dropped an accepted HTTP connection: %s", error)
+            sock.close()
+            self._open -= 1
+            self._resume_accepting()
+
+    def release(self, connection: _Connection) -> None:
+        """A connection closed: one place under the cap, and one descriptor, are free again."""
+        self.connections.discard(connection)
+        self._open -= 1
+        self._resume_accepting()
+
+    def _pause_accepting(self) -> None:
+        if self._accepting and self._loop is not None:
+            for listener in self._listeners:
+                self._loop.remove_reader(listener.fileno())
+            self._accepting = False
+
+    def _resume_accepting(self) -> None:
+        if self._accepting or self.stopping or self._loop is None or self._open >= self._max_connections:
+            return
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        for listener in self._listeners:
+            self._loop.add_reader(listener.fileno(), self._accept, listener)
+        self._accepting = True
+
+    def _retry_accepting(self) -> None:
+        self._retry = None
+        self._resume_accepting()
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        if self.clock - self._warned.get(kind, -math.inf) >= _WARN_EVERY:
+            self._warned[kind] = self.clock
+            logger.warning(message, *args)
+
+    # ---- timeouts -------------------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        assert self._loop is not None
+        now = self.clock = self._loop.time()
+        timeouts = self._timeouts
+        for connection in list(self.connections):  # a copy: closing may run connection_lost at once
+            connection.expire(now, timeouts)
+        self._sweeper = self._loop.call_later(self._sweep_period, self._sweep)
+
+
+async def _bind(loop: asyncio.AbstractEventLoop, host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets for host:port, as loop.create_server binds them (every address host resolves to)."""
+    infos = await loop.getaddrinfo(
+        host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    listeners: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # as asyncio: a family this host lacks (IPv6 turned off) is skipped
+                logger.debug("skipping %r: cannot create a socket of its family", address)
+                continue
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: an IPv6 socket does not also take the IPv4 port
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                reason = (exc.strerror or str(exc)).lower()
+                raise OSError(exc.errno, f"error while attempting to bind on address {address!r}: {reason}") from None
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in listeners:
+            sock.close()
+        raise
+    if not listeners:
+        raise OSError(f"no address to listen on for {host!r}")
+    return listeners

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 
 import uvicorn
 
 from geserve.frontends.http.app import HttpFrontend
-from geserve.frontends.http.native_server import NativeHttpServer
+from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
 
 HTTP_SERVERS = ("native", "uvicorn")
 logger = logging.getLogger(__name__)
@@ -28,10 +29,16 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 def create_http_server(
-    app: HttpFrontend, host: str, port: int, log_verbose: int, kind: str, max_body_size: int
+    app: HttpFrontend, host: str, port: int, log_verbose: int, kind: str, max_body_size: int,
+    limits: HttpLimits | None = None,
 ) -> NativeHttpServer | uvicorn.Server:
+    limits = limits or HttpLimits()
     if kind == "native":
-        return NativeHttpServer(app, host, port, max_body_size)
+        return NativeHttpServer(app, host, port, max_body_size, limits)
+    # uvicorn takes two of the limits: the idle keep-alive timeout, and a cap on connections plus requests (it
+    # answers 503 beyond it, where the native server leaves connections in the backlog). Its httptools protocol
+    # has no header or body timeouts and no header size or count limits; h11_max_incomplete_event_size is set
+    # too, for the day `http="h11"` is chosen: it bounds a head's size there.
     config = uvicorn.Config(
         app,
         host=host,
@@ -41,7 +48,9 @@ def create_http_server(
         lifespan="off",
         access_log=log_verbose > 1,
         log_level="debug" if log_verbose > 1 else "warning",
-        timeout_keep_alive=75,
+        timeout_keep_alive=math.ceil(limits.idle_timeout) if limits.idle_timeout > 0 else 2**31,
+        limit_concurrency=limits.max_connections if limits.max_connections > 0 else None,
+        h11_max_incomplete_event_size=limits.max_header_size if limits.max_header_size > 0 else None,
         # No per-response work a client does not ask for: no proxy header rewriting, Server or Date headers.
         proxy_headers=False,
         server_header=False,
@@ -58,10 +67,10 @@ class HttpService:
 
     def __init__(
         self, app: HttpFrontend, host: str, port: int, *, log_verbose: int = 0, kind: str = "native",
-        max_body_size: int,
+        max_body_size: int, limits: HttpLimits | None = None,
     ) -> None:
         self._host, self._port = host, port
-        self._server = create_http_server(app, host, port, log_verbose, kind, max_body_size)
+        self._server = create_http_server(app, host, port, log_verbose, kind, max_body_size, limits)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
