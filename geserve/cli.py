@@ -73,8 +73,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="grpc_http2_min_recv_ping_interval_without_data_ms", help="ms")
     add("--grpc-http2-max-ping-strikes", type=int, default=2)
     add("--grpc-max-concurrent-streams", type=int, default=1024, help="most concurrent calls per gRPC connection")
-    add("--allow-system-shared-memory", type=_bool, nargs="?", const=True, default=False,
-        help="let clients register system shared memory regions for inputs and outputs (off by default)")
+    add("--allow-system-shared-memory", "--allow-client-shm", type=_bool, nargs="?", const=True, default=False,
+        help="let clients register system shared memory regions for inputs and outputs (off by default; "
+             "--allow-client-shm is Triton's name)")
     add("--metrics-port", type=int, default=8002, help="port of the Prometheus endpoint (GET /metrics)")
     add("--metrics-address", default="",
         help="address of the Prometheus endpoint (default: --http-address when HTTP is on, else 0.0.0.0)")
@@ -101,6 +102,23 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--backend-config", action="append", type=_backend_config, default=[],
         help="<backend>,<key>=<value>, e.g. ge,execution_accelerators=cpu or ge,default-max-batch-size=8")
     add("--log-verbose", type=int, nargs="?", const=1, default=0)
+    # Security (README "Security"): Triton's restricted APIs, then geserve's own token auth and audit log.
+    add("--http-restricted-api", action="append", default=[], metavar="<groups>:<header>=<value>",
+        help="calls of these API groups (comma-separated: health, metadata, inference, shared-memory, model-config, "
+             "model-repository, statistics, trace, logging) over HTTP need this header and value (repeatable)")
+    add("--grpc-restricted-protocol", action="append", default=[], metavar="<groups>:<key>=<value>",
+        help="calls of these API groups over gRPC need the metadata triton-grpc-protocol-<key> with this value "
+             "(repeatable)")
+    add("--auth-jwt-public-key", default="", metavar="PEM",
+        help="verify 'authorization: Bearer' tokens (JWT, RS256/ES256) with this public key or certificate")
+    add("--auth-jwt-jwks", default="", metavar="FILE", help="verify tokens with this JWK set (keys by 'kid')")
+    add("--auth-jwt-audience", default="", help="the 'aud' tokens must carry")
+    add("--auth-jwt-issuer", default="", help="the 'iss' tokens must carry")
+    add("--auth-jwt-leeway-secs", type=float, default=30.0, help="clock skew allowed on exp / nbf / iat")
+    add("--auth-protect-health", type=_bool, nargs="?", const=True, default=False,
+        help="require a token (scope 'health') for liveness and readiness too (open by default, for probes)")
+    add("--audit-log", default="", metavar="PATH",
+        help="append a JSON line per repository, shared-memory, logging and trace call and per refused call")
     add("--log-info", type=_bool, nargs="?", const=True, default=True)
 
 

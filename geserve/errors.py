@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 
 class ErrorCode(enum.Enum):
@@ -13,19 +14,28 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     INTERNAL = "INTERNAL"
     CANCELLED = "CANCELLED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no credentials, or ones that do not verify (HTTP 401)
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # verified credentials that do not grant the call (HTTP 403)
 
 
 class GeserveError(Exception):
     """Base of every error the server reports to a client; `code` picks the status a frontend answers."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    # Response headers the answer carries where the protocol has them (HTTP), as (name, value): an
+    # authentication refusal's `WWW-Authenticate`. A class default, so subclasses that skip __init__ have it too.
+    headers: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, message: str, failure_reason: str | None = None) -> None:
+    def __init__(
+        self, message: str, failure_reason: str | None = None, *, headers: Sequence[tuple[str, str]] = ()
+    ) -> None:
         super().__init__(message)
         self.message = message
         # The `reason` label this failure is counted under (Triton's REJECTED, CANCELED, BACKEND, OTHER) when
         # it is not the one its code implies: an ensemble counts its steps' failures as OTHER, as Triton does.
         self.failure_reason = failure_reason
+        if headers:
+            self.headers = tuple(headers)
 
 
 class InvalidArgumentError(GeserveError):
@@ -54,6 +64,18 @@ class InternalError(GeserveError):
 
 class CancelledError(GeserveError):
     code = ErrorCode.CANCELLED
+
+
+class UnauthenticatedError(GeserveError):
+    """The call carries no credentials, or ones that do not verify (forged, expired, another audience)."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(GeserveError):
+    """The caller is known, or the call lacks a restricted API's header, and may not make this call."""
+
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class UnknownModelError(NotFoundError):

@@ -27,6 +27,7 @@ from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
 from geserve.service.context import CallPolicy
 from geserve.service.runtime_settings import LogSettings
+from geserve.service.security import SecurityConfigError, build_security
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.settings import ServerSettings
@@ -66,6 +67,10 @@ class Server:
         )
         polling = settings.model_control_mode == "poll"
         self.poller = RepositoryPoller(self.store, self.manager, settings.repository_poll_secs) if polling else None
+        try:  # restricted APIs, bearer tokens, the audit log (service/security.py)
+            security = build_security(settings)
+        except SecurityConfigError as exc:
+            raise StartupError(str(exc)) from None
         # One shared memory registry and one set of log / trace settings behind every protocol.
         self.service = InferenceService(
             self.manager,
@@ -73,8 +78,9 @@ class Server:
             strict_readiness=settings.strict_readiness,
             shared_memory=SharedMemoryRegistry(settings.allow_system_shared_memory),
             log_settings=LogSettings(settings.log_verbose),
-            policies=policies,
+            policies=[*security.policies, *policies],  # the settings' first: they set the caller's identity
             server_name=settings.server_id,
+            audit=security.audit,
         )
         registry.attach_host(self.service.host)
         # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,

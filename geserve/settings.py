@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 _ENV_PREFIX = "GESERVE_"
+_SEMICOLON_LISTS = ("http_restricted_api", "grpc_restricted_protocol")
 
 
 @dataclass(slots=True)
@@ -93,6 +94,29 @@ class ServerSettings:
     """Triton's --exit-timeout-secs: on SIGTERM, how long in-flight requests and streams get to finish."""
     server_id: str = "geserve"
     """Triton's --id: the name the server metadata reports."""
+    # ---- security (README "Security"); every one off by default ----
+    http_restricted_api: list[str] = field(default_factory=list)
+    """Triton's --http-restricted-api=<groups>:<header>=<value> (repeatable): calls of those API groups over HTTP
+    need the header with that value, else 403. In GESERVE_HTTP_RESTRICTED_API, ';' separates several."""
+    grpc_restricted_protocol: list[str] = field(default_factory=list)
+    """Triton's --grpc-restricted-protocol=<groups>:<key>=<value> (repeatable): calls of those API groups over gRPC
+    need the metadata `triton-grpc-protocol-<key>` with that value, else UNAVAILABLE. ';' separates in the env."""
+    auth_jwt_public_key: str = ""
+    """PEM public key (or certificate) that bearer tokens are verified with (RS*/ES*); turns token auth on."""
+    auth_jwt_jwks: str = ""
+    """A JWK set file of public keys chosen by the token's `kid` (instead of --auth-jwt-public-key)."""
+    auth_jwt_audience: str = ""
+    """The `aud` a token must carry (checked when given; a token with an `aud` claim needs it)."""
+    auth_jwt_issuer: str = ""
+    """The `iss` a token must carry (checked when given)."""
+    auth_jwt_leeway_secs: float = 30.0
+    """Clock skew allowed on `exp`, `nbf` and `iat`, in seconds."""
+    auth_protect_health: bool = False
+    """With token auth on, require a token with the `health` scope for liveness and readiness too (open by default,
+    for probes)."""
+    audit_log: str = ""
+    """Append one JSON line per model-repository, shared-memory, logging and trace call, and per refused call, to
+    this file (reopened after rotation)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
@@ -112,6 +136,8 @@ class ServerSettings:
                 value = float(raw)
             elif item.name == "model_repositories":
                 value = [Path(p) for p in raw.split(",") if p]
+            elif item.name in _SEMICOLON_LISTS:  # each item holds commas (`health,metadata:key=value`)
+                value = [p for p in raw.split(";") if p]
             elif isinstance(current, list):
                 value = [p for p in raw.split(",") if p]
             else:

@@ -15,6 +15,10 @@ _REASON_BY_CODE = {
     ErrorCode.UNAVAILABLE: "REJECTED",  # a full queue, a queue timeout, a model that is unloading
     ErrorCode.CANCELLED: "CANCELED",
     ErrorCode.INTERNAL: "BACKEND",  # the backend failed to execute (e.g. ONNX Runtime raised)
+    # Refused before any model ran. Admission refusals are raised before the model is looked up, so they never
+    # reach a model's statistics; a refusal raised later (a nested call) would count as rejected.
+    ErrorCode.UNAUTHENTICATED: "REJECTED",
+    ErrorCode.PERMISSION_DENIED: "REJECTED",
 }
 
 

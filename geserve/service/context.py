@@ -9,7 +9,7 @@ import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class Transport(enum.Enum):
@@ -37,18 +37,27 @@ class ApiGroup(enum.Enum):
 @dataclass(slots=True)
 class CallContext:
     """One call as the service sees it, whatever the protocol. Header names are lower case (gRPC metadata keys
-    are too); `deadline` is on `time.monotonic()`'s clock; `identity` is set by whoever authenticated the call."""
+    are too); `deadline` is on `time.monotonic()`'s clock; `identity` is set by whoever authenticated the call
+    (the bearer token's `sub`); `peer_certificate_subject` by a frontend whose connection verified a client
+    certificate (mutual TLS), the certificate's subject as an RFC 4514 string."""
 
     transport: Transport
     peer: str = ""
     headers: Mapping[str, str] = field(default_factory=dict)
-    identity: Any = None
+    identity: str | None = None
     deadline: float | None = None
     is_cancelled: Callable[[], bool] | None = None
+    peer_certificate_subject: str | None = None
 
     @property
     def cancelled(self) -> bool:
         return self.is_cancelled is not None and self.is_cancelled()
+
+    @property
+    def caller(self) -> str | None:
+        """Who is calling, as far as anything verified it: the authenticated identity, else the client
+        certificate's subject (mutual TLS without a token, or without token authentication configured)."""
+        return self.identity if self.identity is not None else self.peer_certificate_subject
 
     def remaining_s(self) -> float | None:
         """Seconds left before the deadline (negative once past), None without one."""

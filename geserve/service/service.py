@@ -3,6 +3,10 @@
 Frontends translate bytes and call here; everything that is not wire format happens here once: admission by
 API group, model lookup, the decoupled refusal, request parameters, shared-memory placement, statistics with
 failure reasons, classification, and the control APIs (repository, shared memory, trace, logging, statistics).
+
+A call starts in `admit` (its policies; a refusal is recorded in the audit log there) and, for every group but
+inference, its body runs inside `_call`, whose end the audit log sees with the outcome: the audit rule itself lives
+in service/audit.py, and no frontend needs a hook for it (see that module).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from types import TracebackType
 from typing import Any
 
 from geserve.config import ModelConfig
@@ -25,6 +30,7 @@ from geserve.errors import (
 )
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
+from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
 from geserve.service.parameters import apply_parameters
@@ -39,6 +45,7 @@ from geserve.version import __version__
 
 SERVER_NAME = "geserve"
 SHUTTING_DOWN = "Server is shutting down: it accepts no new requests"
+_IN_PROCESS = Transport.IN_PROCESS
 # What a server that is shutting down still answers from outside: health, metadata, settings, statistics. New work
 # (inference, model loads) is refused; calls from models (BLS, ensemble steps) belong to requests in flight.
 _REFUSED_WHILE_DRAINING = frozenset({ApiGroup.INFERENCE, ApiGroup.MODEL_REPOSITORY})
@@ -77,6 +84,7 @@ class InferenceService:
         trace_settings: TraceSettings | None = None,
         policies: Sequence[CallPolicy] = (),
         server_name: str = SERVER_NAME,
+        audit: AuditLog | None = None,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -85,6 +93,7 @@ class InferenceService:
         self._log = log_settings if log_settings is not None else LogSettings()
         self._trace = trace_settings if trace_settings is not None else TraceSettings()
         self.policies = list(policies)
+        self.audit = audit
         self.server_name = server_name
         self.accepting = True
         self._inflight = 0  # inference calls under way, of every transport
@@ -93,13 +102,41 @@ class InferenceService:
         # Set by the server once it runs: where calls from other threads (Python models' BLS) are scheduled.
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def admit(self, group: ApiGroup, context: CallContext) -> None:
-        """Every call's first step (frontends call it themselves only for answers they give without the service,
-        such as the CUDA shared memory calls no region can exist for)."""
-        for policy in self.policies:
-            policy.admit(group, context)
-        if not self.accepting and group in _REFUSED_WHILE_DRAINING and context.transport is not Transport.IN_PROCESS:
-            raise UnavailableError(SHUTTING_DOWN)
+    def admit(
+        self, group: ApiGroup, context: CallContext, action: str = "", model: str = "", region: str = ""
+    ) -> None:
+        """Every call's first step: its policies, then the refusal of new work while shutting down. `action`,
+        `model` and `region` only describe the call to the audit log."""
+        try:
+            for policy in self.policies:
+                policy.admit(group, context)
+            if not self.accepting and group in _REFUSED_WHILE_DRAINING and context.transport is not _IN_PROCESS:
+                raise UnavailableError(SHUTTING_DOWN)
+        except GeserveError as exc:
+            if self.audit is not None:
+                self.audit.refused(group, action, model, context, exc, region)
+            raise
+
+    def authorize(self, group: ApiGroup, context: CallContext, action: str = "") -> None:
+        """The policies alone, for a frontend that must refuse before it starts reading (a gRPC stream, refused
+        at its start as Triton does); each call it then makes is admitted as usual."""
+        try:
+            for policy in self.policies:
+                policy.admit(group, context)
+        except GeserveError as exc:
+            if self.audit is not None:
+                self.audit.refused(group, action, "", context, exc)
+            raise
+
+    def _call(
+        self, group: ApiGroup, action: str, context: CallContext, model: str = "", region: str = ""
+    ) -> _CallEnd | _NoAudit:
+        """Admit a call and return what its body runs in (`with`): without an audit log nothing, else the end
+        of the call reported to the audit log, with the exception that left the body if any."""
+        self.admit(group, context, action, model, region)
+        if self.audit is None:
+            return _NO_AUDIT
+        return _CallEnd(self.audit, group, action, model, region, context)
 
     def stop_accepting(self) -> None:
         """Readiness turns false and new inference and repository calls are refused; calls in flight go on."""
@@ -132,28 +169,31 @@ class InferenceService:
     # ---- health and metadata ----------------------------------------------------------------------
 
     def live(self, context: CallContext = IN_PROCESS) -> bool:
-        self.admit(ApiGroup.HEALTH, context)
-        return True
+        with self._call(ApiGroup.HEALTH, "live", context):
+            return True
 
     def ready(self, context: CallContext = IN_PROCESS) -> bool:
-        self.admit(ApiGroup.HEALTH, context)
-        return self.accepting and (not self._strict or self._manager.all_ready())
+        with self._call(ApiGroup.HEALTH, "ready", context):
+            return self.accepting and (not self._strict or self._manager.all_ready())
 
     async def model_ready(self, name: str, version: str = "", context: CallContext = IN_PROCESS) -> bool:
         """READY in the lifecycle, and (for models whose instances check their own readiness) ready by them."""
-        self.admit(ApiGroup.HEALTH, context)
-        try:
-            model = self._manager.get(name, version)
-        except GeserveError:
-            return False
-        return model.readiness is None or await model.readiness()
+        with self._call(ApiGroup.HEALTH, "model_ready", context, name):
+            try:
+                model = self._manager.get(name, version)
+            except GeserveError:
+                return False
+            return model.readiness is None or await model.readiness()
 
     def server_metadata(self, context: CallContext = IN_PROCESS) -> dict[str, Any]:
-        self.admit(ApiGroup.METADATA, context)
-        return {"name": self.server_name, "version": __version__, "extensions": EXTENSIONS}
+        with self._call(ApiGroup.METADATA, "server_metadata", context):
+            return {"name": self.server_name, "version": __version__, "extensions": EXTENSIONS}
 
     def model_metadata(self, name: str, version: str = "", context: CallContext = IN_PROCESS) -> dict[str, Any]:
-        self.admit(ApiGroup.METADATA, context)
+        with self._call(ApiGroup.METADATA, "model_metadata", context, name):
+            return self._model_metadata(name, version)
+
+    def _model_metadata(self, name: str, version: str) -> dict[str, Any]:
         model = self._manager.get(name, version)
         record = self._manager.record(name)
         versions = sorted(v for v, s in record.versions.items() if s.model is not None) if record else []
@@ -172,14 +212,15 @@ class InferenceService:
         }
 
     def model_config(self, name: str, version: str = "", context: CallContext = IN_PROCESS) -> ModelConfig:
-        self.admit(ApiGroup.MODEL_CONFIG, context)
-        return self._manager.get(name, version).config
+        with self._call(ApiGroup.MODEL_CONFIG, "model_config", context, name):
+            return self._manager.get(name, version).config
 
     # ---- inference --------------------------------------------------------------------------------
 
     async def infer(self, request: InferenceRequest, context: CallContext = IN_PROCESS) -> InferenceResponse:
         """One request, one response; a decoupled model is refused (use `infer_stream`)."""
-        self.admit(ApiGroup.INFERENCE, context)
+        self.admit(ApiGroup.INFERENCE, context, "infer", request.model_name)
+        request.identity = context.caller  # from the context only: a request cannot name its own caller
         self._enter()
         try:
             model = self._lookup(request)
@@ -198,7 +239,8 @@ class InferenceService:
     ) -> AsyncIterator[StreamResponse]:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
         model, one otherwise. Faults found before the model runs are raised; later ones come as items."""
-        self.admit(ApiGroup.INFERENCE, context)
+        self.admit(ApiGroup.INFERENCE, context, "infer_stream", request.model_name)
+        request.identity = context.caller
         self._enter()
         try:
             model = self._lookup(request)
@@ -301,15 +343,17 @@ class InferenceService:
     # ---- model repository -------------------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False, context: CallContext = IN_PROCESS) -> list[dict[str, str]]:
-        self.admit(ApiGroup.MODEL_REPOSITORY, context)
-        return self._manager.index(ready_only)
+        with self._call(ApiGroup.MODEL_REPOSITORY, "repository_index", context):
+            return self._manager.index(ready_only)
 
     async def load_model(
         self, name: str, parameters: dict[str, Any] | None = None, context: CallContext = IN_PROCESS
     ) -> None:
         """Load (or reload) `name`; the `config` parameter (JSON text) overrides its config.pbtxt."""
-        self.admit(ApiGroup.MODEL_REPOSITORY, context)
-        parameters = parameters or {}
+        with self._call(ApiGroup.MODEL_REPOSITORY, "load_model", context, name):
+            await self._load_model(name, parameters or {})
+
+    async def _load_model(self, name: str, parameters: dict[str, Any]) -> None:
         config = parameters.get("config")
         if config is not None and not isinstance(config, str):
             raise InvalidArgumentError("the 'config' parameter of a load request must be a JSON string")
@@ -322,9 +366,9 @@ class InferenceService:
         await self._manager.load(name, config)
 
     async def unload_model(self, name: str, context: CallContext = IN_PROCESS) -> None:
-        self.admit(ApiGroup.MODEL_REPOSITORY, context)
-        self._require_explicit()
-        await self._manager.unload(name)
+        with self._call(ApiGroup.MODEL_REPOSITORY, "unload_model", context, name):
+            self._require_explicit()
+            await self._manager.unload(name)
 
     def _require_explicit(self) -> None:
         if not self._explicit:
@@ -333,7 +377,10 @@ class InferenceService:
     # ---- statistics -------------------------------------------------------------------------------
 
     def statistics(self, name: str = "", version: str = "", context: CallContext = IN_PROCESS) -> dict[str, Any]:
-        self.admit(ApiGroup.STATISTICS, context)
+        with self._call(ApiGroup.STATISTICS, "statistics", context, name):
+            return self._statistics(name, version)
+
+    def _statistics(self, name: str, version: str) -> dict[str, Any]:
         if name:
             record = self._manager.record(name)
             models = [s.model for _, s in sorted(record.versions.items()) if s.model is not None] if record else []
@@ -350,34 +397,35 @@ class InferenceService:
     # ---- shared memory ----------------------------------------------------------------------------
 
     def shared_memory_status(self, name: str = "", context: CallContext = IN_PROCESS) -> list[RegionStatus]:
-        self.admit(ApiGroup.SHARED_MEMORY, context)
-        return self.shared_memory.status(name)
+        with self._call(ApiGroup.SHARED_MEMORY, "shared_memory_status", context, region=name):
+            return self.shared_memory.status(name)
 
     def register_shared_memory(
         self, name: str, key: str, offset: int, byte_size: int, context: CallContext = IN_PROCESS
     ) -> None:
-        self.admit(ApiGroup.SHARED_MEMORY, context)
-        self.shared_memory.register(name, key, offset, byte_size)
+        with self._call(ApiGroup.SHARED_MEMORY, "register_shared_memory", context, region=name):
+            self.shared_memory.register(name, key, offset, byte_size)
 
     def unregister_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
-        self.admit(ApiGroup.SHARED_MEMORY, context)
-        self.shared_memory.unregister(name)
+        with self._call(ApiGroup.SHARED_MEMORY, "unregister_shared_memory", context, region=name):
+            self.shared_memory.unregister(name)
 
     # No GPU is used, so no CUDA region can ever be registered: Triton's answers on such a machine.
 
     def cuda_shared_memory_status(self, name: str = "", context: CallContext = IN_PROCESS) -> list[RegionStatus]:
-        self.admit(ApiGroup.SHARED_MEMORY, context)
-        if name:
-            raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
-        return []
+        with self._call(ApiGroup.SHARED_MEMORY, "cuda_shared_memory_status", context, region=name):
+            if name:
+                raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
+            return []
 
     def register_cuda_shared_memory(self, name: str, context: CallContext = IN_PROCESS) -> None:
-        self.admit(ApiGroup.SHARED_MEMORY, context)
-        raise InvalidArgumentError("failed to register shared memory region: invalid args")
+        with self._call(ApiGroup.SHARED_MEMORY, "register_cuda_shared_memory", context, region=name):
+            raise InvalidArgumentError("failed to register shared memory region: invalid args")
 
     def unregister_cuda_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
         """Unregistering a region that does not exist succeeds, as in Triton."""
-        self.admit(ApiGroup.SHARED_MEMORY, context)
+        with self._call(ApiGroup.SHARED_MEMORY, "unregister_cuda_shared_memory", context, region=name):
+            pass
 
     # ---- trace and logging ------------------------------------------------------------------------
 
@@ -385,19 +433,58 @@ class InferenceService:
         self, model: str = "", changes: dict[str, list[str]] | None = None, context: CallContext = IN_PROCESS
     ) -> dict[str, list[str]]:
         """The trace settings of `model` (the server's when empty), after applying `changes` if any."""
-        self.admit(ApiGroup.TRACE, context)
-        if model:
-            try:
-                self._manager.get(model)
-            except NotFoundError:
-                raise InvalidArgumentError(f"Request for unknown model : {model}") from None
-        return self._trace.update(changes, model) if changes else self._trace.get(model)
+        with self._call(ApiGroup.TRACE, "trace_setting", context, model):
+            if model:
+                try:
+                    self._manager.get(model)
+                except NotFoundError:
+                    raise InvalidArgumentError(f"Request for unknown model : {model}") from None
+            return self._trace.update(changes, model) if changes else self._trace.get(model)
 
     def log_settings(
         self, changes: dict[str, LogValue] | None = None, context: CallContext = IN_PROCESS
     ) -> dict[str, LogValue]:
-        self.admit(ApiGroup.LOGGING, context)
-        return self._log.update(changes) if changes else self._log.get()
+        with self._call(ApiGroup.LOGGING, "log_settings", context):
+            return self._log.update(changes) if changes else self._log.get()
+
+
+class _NoAudit:
+    """What a call's body runs in without an audit log: nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        return None
+
+
+_NO_AUDIT = _NoAudit()
+
+
+class _CallEnd:
+    """What a call's body runs in with an audit log: its end, and how it ended, reported there."""
+
+    __slots__ = ("_action", "_audit", "_context", "_group", "_model", "_region")
+
+    def __init__(
+        self, audit: AuditLog, group: ApiGroup, action: str, model: str, region: str, context: CallContext
+    ) -> None:
+        self._audit, self._group, self._action = audit, group, action
+        self._model, self._region, self._context = model, region, context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if isinstance(error, asyncio.CancelledError):  # the client went away: nothing ended here to record
+            return
+        self._audit.finished(self._group, self._action, self._model, self._context, error, self._region)
 
 
 class ModelHost:

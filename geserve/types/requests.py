@@ -55,3 +55,7 @@ class InferenceRequest:
     late_fault: GeserveError | None = None
     # Triton's raw binary HTTP request: the body is the model's single input, its shape deduced by the service.
     raw_input: bytes | None = None
+    # Set by the service from the call context: who made the request (a bearer token's subject, or the client
+    # certificate's subject under mutual TLS); None when nothing authenticated the caller. Python models read it
+    # as `request.identity()`; it is never taken from the request itself, so a client cannot claim one.
+    identity: str | None = None

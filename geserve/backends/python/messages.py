@@ -199,6 +199,7 @@ class InferenceRequest:
         self._parameters = _parameters_dict(parameters)
         self._sender: InferenceResponseSender | None = None
         self._make_sender: Callable[[], InferenceResponseSender] | None = None
+        self._identity: str | None = None
 
     # ---- what a model reads -------------------------------------------------------------------------
 
@@ -237,6 +238,12 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return self._sender.is_cancelled() if self._sender is not None else False
+
+    def identity(self) -> str | None:
+        """geserve's own: who sent the request, as the server verified it (a bearer token's `sub`, or the client
+        certificate's subject under mutual TLS); None when nothing authenticated the caller (auth off, a BLS
+        request). Not a request parameter: a client cannot set it."""
+        return self._identity
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
@@ -320,6 +327,7 @@ class InferenceRequest:
         wrapped._parameters = request.parameters
         wrapped._sender = None
         wrapped._make_sender = make_sender
+        wrapped._identity = request.identity
         return wrapped
 
 

@@ -18,7 +18,7 @@ from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
-from geserve.service.context import CallContext, Transport
+from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -177,6 +177,10 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         A decoupled model's responses go out one by one as it sends them, `triton_final_response` true on the
         last; its final flag sent alone becomes an empty response only if the request enabled that."""
         call = call_context(context)
+        try:  # refused at its start, as Triton refuses a restricted stream; each request is still admitted
+            self._service.authorize(ApiGroup.INFERENCE, call, "infer_stream")
+        except GeserveError as exc:
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
         strict = call.headers.get(STRICT_STREAM_HEADER) == "true"
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()

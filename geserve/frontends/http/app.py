@@ -90,6 +90,7 @@ class HttpFrontend:
             status, body = HTTP_STATUS[exc.code], _error_body(exc.message)
             content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
             extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
+            extra += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers]
         except Exception as exc:  # never let one request take the server down
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             status, body, content_type, extra = 500, _error_body(f"internal error: {exc}"), _JSON, []

@@ -12,4 +12,6 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ALREADY_EXISTS: 400,  # sic: Triton's HTTP answer for a region registered twice
     ErrorCode.INTERNAL: 500,
     ErrorCode.CANCELLED: 500,
+    ErrorCode.UNAUTHENTICATED: 401,  # the error carries `WWW-Authenticate: Bearer ...` (RFC 6750)
+    ErrorCode.PERMISSION_DENIED: 403,  # Triton's answer for a restricted API called without its header
 }
