@@ -29,6 +29,21 @@ def _backend_config(text: str) -> tuple[str, str, str]:
     return backend or "ge", key, value
 
 
+def _cache_config(text: str) -> tuple[str, str, str]:
+    """`<cache>,<key>=<value>`, as tritonserver's --cache-config takes it (its messages)."""
+    cache, comma, setting = text.partition(",")
+    if not comma or not cache:
+        raise argparse.ArgumentTypeError(
+            f"No cache specified. --cache-config option format is <cache name>,<setting>=<value>. Got {text}"
+        )
+    key, sep, value = setting.partition("=")
+    if not sep or not key or not value:
+        raise argparse.ArgumentTypeError(
+            f"--cache-config option format is '<cache name>,<setting>=<value>'. Got {text}"
+        )
+    return cache, key, value
+
+
 def _metrics_config(text: str) -> tuple[str, str]:
     """`<key>=<value>`, as tritonserver's --metrics-config takes it."""
     key, sep, value = text.partition("=")
@@ -101,6 +116,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="deprecated spelling: true disables auto-complete")
     add("--backend-config", action="append", type=_backend_config, default=[],
         help="<backend>,<key>=<value>, e.g. ge,execution_accelerators=cpu or ge,default-max-batch-size=8")
+    add("--cache-config", action="append", type=_cache_config, default=[], metavar="<cache>,<setting>=<value>",
+        help="the response cache, e.g. local,size=1048576 (bytes); models opt in with response_cache { enable: true }")
     add("--log-verbose", type=int, nargs="?", const=1, default=0)
     # Security (README "Security"): Triton's restricted APIs, then geserve's own token auth and audit log.
     add("--http-restricted-api", action="append", default=[], metavar="<groups>:<header>=<value>",
@@ -173,8 +190,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """Defaults and GESERVE_* variables first; then only the options given on the command line."""
     settings = ServerSettings.from_env()
     given = vars(args)
-    for name in {f.name for f in fields(ServerSettings)} & given.keys() - {"backend_config", "metrics_config"}:
+    for name in {f.name for f in fields(ServerSettings)} & given.keys() - {"backend_config", "metrics_config",
+                                                                           "cache_config"}:
         setattr(settings, name, given[name])
+    for cache, key, value in given.get("cache_config", []):
+        settings.cache_config.setdefault(cache, {})[key] = value
     for backend, key, value in given.get("backend_config", []):
         settings.backend_config.setdefault(backend, {})[key] = value
     if "metrics_config" in given:

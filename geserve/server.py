@@ -26,6 +26,7 @@ from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
 from geserve.service.context import CallPolicy
+from geserve.service.response_cache import CacheConfigError, build_response_cache
 from geserve.service.runtime_settings import LogSettings
 from geserve.service.security import SecurityConfigError, build_security
 from geserve.service.service import InferenceService
@@ -55,6 +56,10 @@ class Server:
         self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES)
         registry = BackendRegistry(settings.backend_config, self.custom_metrics)
         metrics_config = _metrics_config(settings)
+        try:  # Triton's response cache (--cache-config), one for the whole server: None when not configured
+            self.response_cache = build_response_cache(settings.cache_config)
+        except CacheConfigError as exc:
+            raise StartupError(str(exc)) from None
         self.manager = ModelManager(
             self.store,
             registry,
@@ -63,6 +68,7 @@ class Server:
                 devices.default_instance_kind(),
                 settings.inline_execution_us,
                 _latency_observer_factory(settings, metrics_config),
+                response_cache=self.response_cache is not None,
             ),
         )
         polling = settings.model_control_mode == "poll"
@@ -81,6 +87,7 @@ class Server:
             policies=[*security.policies, *policies],  # the settings' first: they set the caller's identity
             server_name=settings.server_id,
             audit=security.audit,
+            response_cache=self.response_cache,
         )
         registry.attach_host(self.service.host)
         # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,

@@ -54,6 +54,9 @@ class ServerSettings:
     auto_complete_config: bool = True
     backend_config: dict[str, dict[str, str]] = field(default_factory=dict)
     """--backend-config=<backend>,<key>=<value>, by backend."""
+    cache_config: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Triton's --cache-config=<cache>,<key>=<value> (repeatable), by cache: `local,size=<bytes>` turns the response
+    cache on for the models whose config enables `response_cache` (service/response_cache.py)."""
     log_verbose: int = 0
     http_max_input_size: int = 64 * 1024 * 1024
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
@@ -125,7 +128,7 @@ class ServerSettings:
         settings = cls()
         for item in fields(cls):
             raw = variables.get(_ENV_PREFIX + item.name.upper())
-            if raw is None or item.name in ("backend_config", "metrics_config"):
+            if raw is None or item.name in ("backend_config", "metrics_config", "cache_config"):
                 continue
             current = getattr(settings, item.name)
             if isinstance(current, bool):

@@ -76,6 +76,8 @@ class ModelStatistics:
         self.compute_input = Duration()
         self.compute_infer = Duration()
         self.compute_output = Duration()
+        self.cache_hit = Duration()  # requests answered from the response cache, and their lookup time
+        self.cache_miss = Duration()  # cached models' requests that ran, and their lookup + insertion time
         self.inference_count = 0
         self.execution_count = 0
         self.last_inference_ms = 0
@@ -103,6 +105,26 @@ class ModelStatistics:
         if observer is not None:
             observer.request(ok, duration_ns)
 
+    def record_cache_hit(self, duration_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache, as Triton counts it: a success that ran nothing. Its queue
+        and compute counts grow with no time (Triton reports them as the success count), inference and execution
+        counts do not; `cache_hit` gets its lookup time."""
+        with self._lock:
+            self.success.add(duration_ns)
+            self.cache_hit.add(lookup_ns)
+            for nothing in (self.queue, self.compute_input, self.compute_infer, self.compute_output):
+                nothing.add(0)
+        observer = self.latency_observer
+        if observer is not None:
+            observer.request(True, duration_ns)
+
+    def record_cache_miss(self, lookup_ns: int, insert_ns: int) -> None:
+        """A cached model's request that ran and succeeded (already counted): `cache_miss` gets its lookup and
+        insertion time, and the insertion, done after the request's duration was taken, joins that duration."""
+        with self._lock:
+            self.success.ns += insert_ns
+            self.cache_miss.add(lookup_ns + insert_ns)
+
     def record_execution(
         self, request_count: int, batch_rows: int, queue_ns: list[int], input_ns: int, infer_ns: int, output_ns: int
     ) -> None:
@@ -129,7 +151,6 @@ class ModelStatistics:
 
     def as_json(self, name: str, version: str) -> dict[str, Any]:
         with self._lock:
-            zero = Duration().as_json()
             return {
                 "name": name,
                 "version": version,
@@ -143,8 +164,8 @@ class ModelStatistics:
                     "compute_input": self.compute_input.as_json(),
                     "compute_infer": self.compute_infer.as_json(),
                     "compute_output": self.compute_output.as_json(),
-                    "cache_hit": zero,
-                    "cache_miss": zero,
+                    "cache_hit": self.cache_hit.as_json(),
+                    "cache_miss": self.cache_miss.as_json(),
                 },
                 "response_stats": {},
                 "batch_stats": [

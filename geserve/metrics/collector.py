@@ -44,6 +44,16 @@ _DURATIONS = (
      "Cumulative inference compute output duration in microseconds (does not include cached requests)",
      "compute_output"),
 )
+# Triton's per-model response cache counters (family, help, statistics key, in microseconds rather than a count):
+# created, as Triton creates them, only for models that use the cache, and like the durations only while
+# counter_latencies is on.
+_CACHE_COUNTERS = (
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit", False),
+    ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds", "cache_hit", True),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model", "cache_miss", False),
+    ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in microseconds",
+     "cache_miss", True),
+)
 _SUMMARIES = dict(zip(SUMMARY_FAMILIES, (
     ("nv_inference_request_summary_us",
      "Summary of inference request duration in microseconds (includes cached requests)"),
@@ -67,7 +77,7 @@ SERVER_FAMILY_NAMES = frozenset({
     "nv_model_load_duration_secs", "nv_inference_first_response_histogram_ms", "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes", "ge_batch_size", "ge_model_instances", "ge_model_state",
     *(name for name, _, _ in _COUNTS), *(name for name, _, _ in _DURATIONS), *(name for name, _ in _SUMMARIES.values()),
-    *(name for _, name, _ in _OPTIONAL_COUNTERS),
+    *(name for _, name, _ in _OPTIONAL_COUNTERS), *(name for name, _, _, _ in _CACHE_COUNTERS),
 })
 
 
@@ -101,6 +111,7 @@ class InferenceCollector:
         yield from self._requests(stats)
         if self._config.counter_latencies:
             yield from self._durations(stats)
+            yield from self._cache_counters(stats)
         yield from self._model_gauges(models)
         if self._cpu is not None:
             yield from self._cpu_families()
@@ -138,6 +149,17 @@ class InferenceCollector:
             family = _family(name, documentation, "counter")
             for model, json in stats:
                 family.add_sample(name, _labels(model), json["inference_stats"][key]["ns"] // 1000)
+            yield family
+
+    def _cache_counters(self, stats: list[tuple[LoadedModel, dict[str, Any]]]) -> Iterator[Metric]:
+        cached = [(model, json["inference_stats"]) for model, json in stats if model.response_cache]
+        if not cached:  # no family at all, as Triton's output without a cached model
+            return
+        for name, documentation, key, microseconds in _CACHE_COUNTERS:
+            family = _family(name, documentation, "counter")
+            for model, inference in cached:
+                value = inference[key]["ns"] // 1000 if microseconds else inference[key]["count"]
+                family.add_sample(name, _labels(model), value)
             yield family
 
     def _model_gauges(self, models: list[LoadedModel]) -> Iterator[Metric]:

@@ -35,6 +35,8 @@ class LifecycleOptions:
     inline_execution_us: int = 0
     # Per-model latency observer for the metrics' summaries / histograms; None when none are configured.
     latency_observer_factory: Callable[[], LatencyObserver] | None = None
+    # A server response cache exists (--cache-config): models that enable `response_cache` use it.
+    response_cache: bool = False
 
     def new_statistics(self) -> ModelStatistics:
         factory = self.latency_observer_factory
@@ -90,6 +92,7 @@ class ModelBuilder:
             backend.auto_complete_config(config, ModelSource(model_dir, versions[-1]))
         fill_defaults(config, self._options.default_instance_kind, backend.default_model_filename)
         validate(config, name)
+        _refuse_uncacheable(config)  # Triton validates this with the config, before anything else about serving it
         _refuse_unserved(config)
         selected = select_versions(config.version_policy, versions)
         if not selected:
@@ -102,6 +105,7 @@ class ModelBuilder:
     async def build(self, prepared: PreparedModel, version: int, steps: Mapping[str, ModelConfig]) -> LoadedModel:
         """One version, ready to serve; `steps` are an ensemble's composing models' configs, by name."""
         config = prepared.config
+        _refuse_uncacheable(config)  # again: an ensemble is marked decoupled once its steps are known
         source = ModelSource(prepared.model_dir, version)
         if not source.version_dir.is_dir():
             raise NotFoundError(f"version folder {source.version_dir} not found")
@@ -136,6 +140,7 @@ class ModelBuilder:
             input_order=tuple(t.name for t in config.input),
             decoupled=config.model_transaction_policy.decoupled,
             readiness=readiness,
+            response_cache=_uses_response_cache(config, self._options.response_cache),
         )
 
 
@@ -149,6 +154,33 @@ def _refuse_unserved(config: ModelConfig) -> None:
             f"stateful model as a stateless one (its control inputs never filled, its state never kept between "
             f"the requests of a sequence) would give wrong answers, so it is not loaded"
         )
+
+
+def _refuse_uncacheable(config: ModelConfig) -> None:
+    """Triton's refusals of `response_cache { enable: true }` (its ValidateModelConfig, with its words), whether the
+    server has a cache or not: a sequence model's answers depend on its state and a decoupled model's are a stream,
+    so neither can be answered from the cache. An ensemble with a decoupled step is itself decoupled."""
+    if not config.response_cache.enable:
+        return
+    if config.WhichOneof("scheduling_choice") == "sequence_batching":
+        raise InvalidArgumentError(
+            f"Response Cache does not currently support model {config.name} with sequence batching scheduler. "
+            f"Please disable the response cache."
+        )
+    if config.model_transaction_policy.decoupled:
+        raise InvalidArgumentError(
+            f"Response Cache does not currently support model {config.name} with 'decoupled' transaction policy. "
+            f"Please disable the response cache."
+        )
+
+
+def _uses_response_cache(config: ModelConfig, server_cache: bool) -> bool:
+    """Both switches, as Triton requires: the model's `response_cache { enable: true }` and a server cache. A model
+    that enables it on a server without one is served uncached, as Triton serves it (no warning there either)."""
+    if config.response_cache.enable and not server_cache:
+        logger.debug("model '%s' enables response_cache but the server has no cache (--cache-config): not cached",
+                     config.name)
+    return config.response_cache.enable and server_cache
 
 
 def _finalize(instances: Sequence[ModelInstance]) -> None:

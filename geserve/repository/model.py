@@ -47,6 +47,9 @@ class LoadedModel:
     readiness: Callable[[], Awaitable[bool]] | None = None
     # model_transaction_policy.decoupled: any number of responses per request, served by infer_stream only
     decoupled: bool = False
+    # response_cache { enable: true } with a server cache configured (--cache-config): decided once at load, so a
+    # model without it costs the infer path this one attribute test (service/response_cache.py).
+    response_cache: bool = False
 
     @property
     def max_batch_size(self) -> int:

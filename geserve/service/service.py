@@ -35,6 +35,7 @@ from geserve.service.classification import classify
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
 from geserve.service.parameters import apply_parameters
 from geserve.service.raw_input import expand_raw_input
+from geserve.service.response_cache import ResponseCache
 from geserve.service.runtime_settings import LogSettings, LogValue, TraceSettings
 from geserve.service.shared_memory import OutputPlacementError, RegionStatus, SharedMemoryRegistry
 from geserve.service.validation import prepare
@@ -85,6 +86,7 @@ class InferenceService:
         policies: Sequence[CallPolicy] = (),
         server_name: str = SERVER_NAME,
         audit: AuditLog | None = None,
+        response_cache: ResponseCache | None = None,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -94,6 +96,7 @@ class InferenceService:
         self._trace = trace_settings if trace_settings is not None else TraceSettings()
         self.policies = list(policies)
         self.audit = audit
+        self.response_cache = response_cache  # Triton's response cache (--cache-config); None without one
         self.server_name = server_name
         self.accepting = True
         self._inflight = 0  # inference calls under way, of every transport
@@ -312,8 +315,17 @@ class InferenceService:
         if request.late_fault is not None:
             raise request.late_fault
 
+    async def _execute(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
+        """The model's answer: from the response cache for a model that uses it (decided at load, so any other model
+        pays this one attribute test), else from its scheduler (`_run`)."""
+        if model.response_cache:
+            cache = self.response_cache
+            if cache is not None:
+                return await cache.execute(model, request, started, self._run)
+        return await self._run(model, request, started)
+
     @staticmethod
-    async def _execute(model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
+    async def _run(model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
         try:
             response = await model.scheduler.enqueue(request)
             if request.outputs is not None:
