@@ -104,6 +104,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "histogram_latencies")
     add("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     add("--repository-poll-secs", type=float, default=15.0, help="poll mode: seconds between repository scans")
+    add("--model-load-max-file-bytes", type=int, default=1 << 30,
+        help="most bytes the model files of one load request may hold together, decoded (default 1 GiB)")
     add("--exit-timeout-secs", type=float, default=30.0,
         help="on SIGTERM, how long in-flight requests get to finish before the server exits")
     add("--id", dest="server_id", default="geserve", help="the server's name in its metadata")

@@ -87,6 +87,7 @@ class Server:
             policies=[*security.policies, *policies],  # the settings' first: they set the caller's identity
             server_name=settings.server_id,
             audit=security.audit,
+            model_load_max_file_bytes=settings.model_load_max_file_bytes,
             response_cache=self.response_cache,
         )
         registry.attach_host(self.service.host)

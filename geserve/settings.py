@@ -117,6 +117,9 @@ class ServerSettings:
     auth_protect_health: bool = False
     """With token auth on, require a token with the `health` scope for liveness and readiness too (open by default,
     for probes)."""
+    model_load_max_file_bytes: int = 1 << 30
+    """Most bytes the model files of one load request (`file:` parameters, decoded) may hold together; more is
+    refused (400 / INVALID_ARGUMENT). The request holds them in memory while the model loads."""
     audit_log: str = ""
     """Append one JSON line per model-repository, shared-memory, logging and trace call, and per refused call, to
     this file (reopened after rotation)."""

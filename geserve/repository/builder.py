@@ -140,6 +140,7 @@ class ModelBuilder:
             input_order=tuple(t.name for t in config.input),
             decoupled=config.model_transaction_policy.decoupled,
             readiness=readiness,
+            model_dir=prepared.model_dir,
             response_cache=_uses_response_cache(config, self._options.response_cache),
         )
 

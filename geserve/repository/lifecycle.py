@@ -4,6 +4,11 @@ unload in what order by asking the dependency graph, then drives each model's ve
 As in Triton: loading an ensemble loads its composing models first (waiting for loads already under way), a missing
 or failed composing model leaves the ensemble UNAVAILABLE with a reason naming it, unloading a composing model
 unloads the ensembles that use it, and loading it again brings them back.
+
+A load request carrying the model's files (Triton's model file override) loads it from a private folder holding
+them (ModelStore.write_override); the model loads from there until it is unloaded or loaded again without files.
+Such a folder is deleted once nothing can read it: it is not the model's folder any more, no version serves from
+it, and no load is reading it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from geserve.backends.registry import BackendRegistry
@@ -43,6 +49,10 @@ class ModelManager:
         # model -> one event per load of it under way: a load that needs the model waits for them instead of
         # starting another.
         self._flights: dict[str, list[asyncio.Event]] = {}
+        # model -> the private folders load requests wrote for it that may still be read; and the folders loads
+        # under way are reading (a count per folder), which are not deleted under them.
+        self._written: dict[str, set[Path]] = {}
+        self._reading: Counter[Path] = Counter()
 
     # ---- the infer path -------------------------------------------------------------------------
 
@@ -122,15 +132,37 @@ class ModelManager:
     def record(self, name: str) -> ModelRecord | None:
         return self._records.get(name)
 
-    async def load(self, name: str, config_json: str | None = None) -> None:
+    async def load(
+        self, name: str, config_json: str | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
         """Load (or reload) a model's versions under its policy, after the models it runs on; then load again the
-        ensembles that run on what came up. Raise naming the reason if any version failed."""
-        loaded, error = await self._load_with_composing(name, config_json)
-        await self._reload_dependents(loaded, {name})
+        ensembles that run on what came up. Raise naming the reason if any version failed.
+
+        With `files` (path inside the model's folder -> content, checked by the service; `config_json` given too),
+        the model loads from a new private folder holding them and `config_json` as its config.pbtxt, and keeps
+        loading from there; without, from its repository again (Triton: the files override the repository's model
+        until it is unloaded)."""
+        folder = None
+        if files is not None:
+            folder = await asyncio.to_thread(self._store.write_override, name, files, config_json)
+            self._written.setdefault(name, set()).add(folder)
+        try:
+            self._store.set_override(name, folder)  # the last load request says where the model's files are
+            loaded, error = await self._load_with_composing(name, config_json)
+            await self._reload_dependents(loaded, {name})
+        finally:
+            self._release_unused(name)
         if error is not None:
             raise error
 
     async def unload(self, name: str) -> None:
+        self._store.set_override(name, None)  # the files of a load request serve until the model is unloaded
+        try:
+            await self._unload(name)
+        finally:
+            self._release_unused(name)
+
+    async def _unload(self, name: str) -> None:
         record = self._records.get(name)
         if record is None:
             return  # as in Triton, unloading what is not loaded succeeds
@@ -147,6 +179,8 @@ class ModelManager:
     async def shutdown(self) -> None:
         for record in list(self._records.values()):
             await self._versions.unload(record)
+        self._written.clear()
+        await asyncio.to_thread(self._store.remove_overrides)
 
     # ---- loading, in the graph's order ------------------------------------------------------------
 
@@ -158,7 +192,7 @@ class ModelManager:
         if model_dir is None:
             return set(), InternalError(f"failed to load '{name}', failed to poll from model repository")
         loaded: set[str] = set()
-        with self._in_flight(name):
+        with self._in_flight(name), self._reading_from(name, model_dir):
             record = self._records.setdefault(name, ModelRecord(name))
             record.wanted = True
             started = time.monotonic()
@@ -198,7 +232,10 @@ class ModelManager:
             dirs = {m: self._store.find(m) for m in batch if m not in self._flights and not self._is_up(m)}
             loads = {m: d for m, d in dirs.items() if d is not None}
             # Marked here, before anything awaits; each load unmarks its own as it ends, for whoever waits on it.
+            # Their folders are marked read as well, until the loads end.
             flights = {m: self._mark_in_flight(m) for m in loads}
+            for model_dir in loads.values():
+                self._reading[model_dir] += 1
             try:
                 came_up = await asyncio.gather(
                     *(self._load_alone(m, d, plan, flights[m]) for m, d in loads.items()),
@@ -207,6 +244,8 @@ class ModelManager:
             finally:
                 for model, done in flights.items():
                     self._unmark_in_flight(model, done)  # those a cancellation kept from starting
+                for model, model_dir in loads.items():
+                    self._done_reading(model, model_dir)
             loaded.update(m for m, up in zip(loads, came_up[: len(loads)], strict=True) if up)
 
     async def _load_alone(self, name: str, model_dir: Path, plan: LoadPlan, flight: asyncio.Event) -> bool:
@@ -336,6 +375,45 @@ class ModelManager:
             return record.error
         reasons = [f"version {v}: {s.reason}" for v, s in sorted(record.versions.items()) if s.reason]
         return "; ".join(reasons) or error.message
+
+    # ---- the private folders of load requests with files ---------------------------------------------
+
+    @contextlib.contextmanager
+    def _reading_from(self, name: str, model_dir: Path) -> Iterator[None]:
+        """A load of `name` reads `model_dir` meanwhile: the folder is not deleted under it."""
+        self._reading[model_dir] += 1
+        try:
+            yield
+        finally:
+            self._done_reading(name, model_dir)
+
+    def _done_reading(self, name: str, model_dir: Path) -> None:
+        self._reading[model_dir] -= 1
+        if self._reading[model_dir] <= 0:
+            del self._reading[model_dir]
+        self._release_unused(name)
+
+    def _release_unused(self, name: str) -> None:
+        """Delete the private folders written for `name` that nothing can read any more: not its folder now, no
+        version serving from it, no load reading it. On a worker thread, not awaited: the folder is already out of
+        every path a load could take, and the server's stop removes what is left."""
+        written = self._written.get(name)
+        if not written:
+            return
+        record = self._records.get(name)
+        in_use = {self._store.override(name), *self._reading}
+        if record is not None:
+            in_use.update(model.model_dir for model in record.serving())
+        unused = written - in_use
+        if not unused:
+            return
+        written -= unused
+        if not written:
+            del self._written[name]
+        loop = asyncio.get_running_loop()
+        for folder in unused:
+            logger.info("deleting the model files a load request gave for '%s': nothing serves from them", name)
+            loop.run_in_executor(None, self._store.remove_override, folder)
 
     @contextlib.contextmanager
     def _in_flight(self, name: str) -> Iterator[None]:

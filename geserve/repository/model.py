@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from tritonclient.grpc.model_config_pb2 import ModelInput, ModelOutput
@@ -47,6 +48,8 @@ class LoadedModel:
     readiness: Callable[[], Awaitable[bool]] | None = None
     # model_transaction_policy.decoupled: any number of responses per request, served by infer_stream only
     decoupled: bool = False
+    # The folder it was loaded from: the manager keeps a load request's private folder while a version serves from it.
+    model_dir: Path | None = None
     # response_cache { enable: true } with a server cache configured (--cache-config): decided once at load, so a
     # model without it costs the infer path this one attribute test (service/response_cache.py).
     response_cache: bool = False

@@ -286,6 +286,7 @@ class _Execution:
         self._ready.append(_Call(run, step, InferenceRequest(
             step.model, step.version, inputs, outputs, id=request.id, parameters=request.parameters,
             priority=request.priority, timeout_us=request.timeout_us, compute=self.compute,
+            identity=request.identity,  # the caller of the ensemble is the caller of its steps (Python models read it)
         )))
 
     def _answer(self) -> None:

@@ -48,6 +48,9 @@ class CallContext:
     deadline: float | None = None
     is_cancelled: Callable[[], bool] | None = None
     peer_certificate_subject: str | None = None
+    # The group a frontend admitted this call for ahead of reading its body (`InferenceService.admit_ahead`): the
+    # service's own admission of the call then passes, so a call's policies run once.
+    admitted: ApiGroup | None = None
 
     @property
     def cancelled(self) -> bool:

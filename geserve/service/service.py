@@ -33,6 +33,7 @@ from geserve.repository.model import LoadedModel
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
+from geserve.service.model_files import DEFAULT_MAX_FILE_BYTES, check_model_name, model_files
 from geserve.service.parameters import apply_parameters
 from geserve.service.raw_input import expand_raw_input
 from geserve.service.response_cache import ResponseCache
@@ -47,6 +48,7 @@ from geserve.version import __version__
 SERVER_NAME = "geserve"
 SHUTTING_DOWN = "Server is shutting down: it accepts no new requests"
 _IN_PROCESS = Transport.IN_PROCESS
+_INFERENCE = ApiGroup.INFERENCE
 # What a server that is shutting down still answers from outside: health, metadata, settings, statistics. New work
 # (inference, model loads) is refused; calls from models (BLS, ensemble steps) belong to requests in flight.
 _REFUSED_WHILE_DRAINING = frozenset({ApiGroup.INFERENCE, ApiGroup.MODEL_REPOSITORY})
@@ -86,6 +88,7 @@ class InferenceService:
         policies: Sequence[CallPolicy] = (),
         server_name: str = SERVER_NAME,
         audit: AuditLog | None = None,
+        model_load_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         response_cache: ResponseCache | None = None,
     ) -> None:
         self._manager = manager
@@ -98,6 +101,7 @@ class InferenceService:
         self.audit = audit
         self.response_cache = response_cache  # Triton's response cache (--cache-config); None without one
         self.server_name = server_name
+        self.model_load_max_file_bytes = model_load_max_file_bytes
         self.accepting = True
         self._inflight = 0  # inference calls under way, of every transport
         self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
@@ -119,6 +123,15 @@ class InferenceService:
             if self.audit is not None:
                 self.audit.refused(group, action, model, context, exc, region)
             raise
+
+    def admit_ahead(self, group: ApiGroup, context: CallContext, action: str = "", model: str = "") -> None:
+        """`admit`, for a frontend that admits a call before it reads or decodes the call's body (inference: a body
+        from a caller who may not infer is never decoded). The context records it, and the service's own admission
+        of that call then passes: each call is admitted once. A context is one call's; the shared in-process one is
+        never marked."""
+        self.admit(group, context, action, model)
+        if context is not IN_PROCESS:
+            context.admitted = group
 
     def authorize(self, group: ApiGroup, context: CallContext, action: str = "") -> None:
         """The policies alone, for a frontend that must refuse before it starts reading (a gRPC stream, refused
@@ -222,8 +235,12 @@ class InferenceService:
 
     async def infer(self, request: InferenceRequest, context: CallContext = IN_PROCESS) -> InferenceResponse:
         """One request, one response; a decoupled model is refused (use `infer_stream`)."""
-        self.admit(ApiGroup.INFERENCE, context, "infer", request.model_name)
-        request.identity = context.caller  # from the context only: a request cannot name its own caller
+        if context.admitted is not _INFERENCE:  # else admitted by the frontend before it decoded the body
+            self.admit(ApiGroup.INFERENCE, context, "infer", request.model_name)
+        if context.transport is not _IN_PROCESS:
+            # From the context only: a request from outside cannot name its own caller. A call from a model (an
+            # ensemble step) carries the identity of the request it serves, set by whoever made it.
+            request.identity = context.caller
         self._enter()
         try:
             model = self._lookup(request)
@@ -242,8 +259,10 @@ class InferenceService:
     ) -> AsyncIterator[StreamResponse]:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
         model, one otherwise. Faults found before the model runs are raised; later ones come as items."""
-        self.admit(ApiGroup.INFERENCE, context, "infer_stream", request.model_name)
-        request.identity = context.caller
+        if context.admitted is not _INFERENCE:
+            self.admit(ApiGroup.INFERENCE, context, "infer_stream", request.model_name)
+        if context.transport is not _IN_PROCESS:
+            request.identity = context.caller
         self._enter()
         try:
             model = self._lookup(request)
@@ -361,21 +380,21 @@ class InferenceService:
     async def load_model(
         self, name: str, parameters: dict[str, Any] | None = None, context: CallContext = IN_PROCESS
     ) -> None:
-        """Load (or reload) `name`; the `config` parameter (JSON text) overrides its config.pbtxt."""
+        """Load (or reload) `name`. The `config` parameter (JSON text) overrides its config.pbtxt; with
+        `file:<version>/<name>` parameters too (Triton's model file override: base64 text over HTTP, bytes over
+        gRPC and in process), the model loads from those files, written into a private folder, instead of the
+        repository's (service/model_files.py has the rules)."""
         with self._call(ApiGroup.MODEL_REPOSITORY, "load_model", context, name):
-            await self._load_model(name, parameters or {})
+            await self._load_model(name, parameters or {}, context.transport)
 
-    async def _load_model(self, name: str, parameters: dict[str, Any]) -> None:
+    async def _load_model(self, name: str, parameters: dict[str, Any], transport: Transport) -> None:
+        self._require_explicit()  # Triton's order: the control mode, the model's name, then the parameters
+        check_model_name(name)
         config = parameters.get("config")
         if config is not None and not isinstance(config, str):
-            raise InvalidArgumentError("the 'config' parameter of a load request must be a JSON string")
-        files = sorted(k for k in parameters if k.startswith("file:"))
-        if files:
-            raise InvalidArgumentError(
-                f"load request carries model files {files}; geserve loads model files from the repository only"
-            )
-        self._require_explicit()
-        await self._manager.load(name, config)
+            raise InvalidArgumentError("Config parameter 'config' must have string type for its value")
+        files = model_files(parameters, transport, self.model_load_max_file_bytes, name)
+        await self._manager.load(name, config, files)
 
     async def unload_model(self, name: str, context: CallContext = IN_PROCESS) -> None:
         with self._call(ApiGroup.MODEL_REPOSITORY, "unload_model", context, name):

@@ -389,7 +389,8 @@ def to_repository_index_response(entries: list[dict[str, str]]) -> pb.Repository
 
 
 def from_repository_model_load_request(message: pb.RepositoryModelLoadRequest) -> tuple[str, dict[str, Any]]:
-    """The model's name and the load's parameters (the service checks `config` and refuses `file:` ones)."""
+    """The model's name and the load's parameters, as sent: `file:` ones carry the model's files as `bytes_param`
+    (bytes here; the service checks them and `config`)."""
     return message.model_name, {key: from_parameter(value) for key, value in message.parameters.items()}
 
 

@@ -2,6 +2,9 @@
 
 `grpcio-health-checking` is not a dependency: two messages do not justify one. They live in a private
 descriptor pool, so the real package can still be imported alongside.
+
+Readiness is asked with each call's own context, so the health group's rules apply here as on `ServerReady`: a
+restricted or protected health group refuses a caller without the header or token with the same status and words.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
+from geserve.errors import GeserveError
 from geserve.frontends.grpc.converters import Unparsable, tolerant_parser
+from geserve.frontends.grpc.status import GRPC_STATUS
 
 SERVICE = "grpc.health.v1.Health"
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
@@ -45,29 +50,38 @@ def _messages() -> tuple[type[Message], type[Message]]:
 HealthCheckRequest, HealthCheckResponse = _messages()
 
 
-class HealthService:
-    """Overall health ("") and the inference service's both follow the server's readiness."""
+ServicerContext = grpc.aio.ServicerContext[Any, Any]
 
-    def __init__(self, ready: Callable[[], bool]) -> None:
+
+class HealthService:
+    """Overall health ("") and the inference service's both follow the server's readiness, which `ready` asks the
+    service for with the call's context (a GeserveError it raises is the call's status)."""
+
+    def __init__(self, ready: Callable[[ServicerContext], bool]) -> None:
         self._ready = ready
 
-    def _status(self, service: str) -> int | None:
+    async def _status(self, service: str, context: ServicerContext) -> int | None:
         if service not in ("", INFERENCE_SERVICE):
             return None
-        return SERVING if self._ready() else NOT_SERVING
+        try:
+            ready = self._ready(context)
+        except GeserveError as exc:  # refused (restricted, token, scope): its status, as on ServerReady
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
+            raise  # abort raised already
+        return SERVING if ready else NOT_SERVING
 
-    async def check(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def check(self, request: Any, context: ServicerContext) -> Any:
         await _refuse_unparsable(request, context)
-        status = self._status(request.service)
+        status = await self._status(request.service, context)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         return HealthCheckResponse(status=status)
 
-    async def watch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    async def watch(self, request: Any, context: ServicerContext) -> AsyncIterator[Any]:
         await _refuse_unparsable(request, context)
         last = None
         while True:
-            status = self._status(request.service)
+            status = await self._status(request.service, context)
             status = SERVICE_UNKNOWN if status is None else status
             if status != last:
                 yield HealthCheckResponse(status=status)
@@ -82,7 +96,7 @@ class HealthService:
         })
 
 
-async def _refuse_unparsable(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+async def _refuse_unparsable(request: Any, context: ServicerContext) -> None:
     """Bytes that are not a HealthCheckRequest: INVALID_ARGUMENT, as on the inference service."""
     if type(request) is Unparsable:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error().message)

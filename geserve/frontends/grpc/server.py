@@ -165,8 +165,11 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        call = call_context(context)
+        # Admitted before its tensors are decoded: a caller who may not infer costs no decoding (and once only).
+        self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)
         decoded = self._decode(request)
-        response = await self._service.infer(decoded.request, call_context(context))
+        response = await self._service.infer(decoded.request, call)
         return convert.to_model_infer_response(response, decoded.request)
 
     async def ModelStreamInfer(
@@ -336,7 +339,7 @@ class GrpcServer:
         server = grpc.aio.server(options=self.options.channel_options())
         servicer = GrpcInferenceServicer(self._service)
         server.add_generic_rpc_handlers((inference_handler(servicer),))
-        health = HealthService(lambda: self._service.ready(CallContext(Transport.GRPC)))
+        health = HealthService(lambda context: self._service.ready(call_context(context)))
         server.add_generic_rpc_handlers((health.handler(),))
         try:
             bound = server.add_insecure_port(self.target)

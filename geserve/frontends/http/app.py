@@ -20,7 +20,7 @@ from geserve.errors import (
 )
 from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
 from geserve.frontends.http.status import HTTP_STATUS
-from geserve.service.context import CallContext, Transport
+from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import OutputPlacementError
 from geserve.types import InferenceRequest
@@ -245,6 +245,9 @@ class HttpFrontend:
     async def _infer(
         self, name: str, version: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
+        # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
+        # does not admit the call again; the faults of the body still come after the model's lookup.
+        self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
         try:
             body = await self._read_body(receive, headers)
             length = _header_length(headers, len(body))
