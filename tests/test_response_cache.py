@@ -5,9 +5,12 @@ a cached ensemble runs no step)."""
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import re
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ from geserve.service.response_cache import (
     build_response_cache,
     entry_size,
     request_key,
+    request_key_async,
 )
 from geserve.settings import ServerSettings
 from geserve.statistics import ModelStatistics
@@ -68,10 +72,12 @@ class TritonPythonModel:
 # ---- helpers -----------------------------------------------------------------------------------------------------
 
 
-def _model(name: str = "m", version: int = 1) -> LoadedModel:
-    """Just what the key reads of a model: its name and version."""
+def _model(name: str = "m", version: int = 1, load: int = 1) -> LoadedModel:
+    """Just what the key reads of a model: its name, version and the number of its load."""
     config = ModelConfig(name=name)
-    return LoadedModel(name, version, config, None, ModelStatistics(), {}, {})  # type: ignore[arg-type]
+    model = LoadedModel(name, version, config, None, ModelStatistics(), {}, {})  # type: ignore[arg-type]
+    model.response_cache = load
+    return model
 
 
 def _request(
@@ -244,6 +250,19 @@ def test_datatype_shape_and_name_change_the_key() -> None:
     assert request_key(_model(), _request({"Y": x})) != key
     assert request_key(_model("other"), _request({"X": x})) != key
     assert request_key(_model(version=2), _request({"X": x})) != key
+    assert request_key(_model(load=2), _request({"X": x})) != key  # the same model, loaded again
+
+
+def test_large_inputs_are_hashed_off_the_loop_to_the_same_key() -> None:
+    big = {"X": np.arange(1 << 19, dtype=np.float32)}  # 2 MiB
+    with ThreadPoolExecutor(1) as pool:
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(pool)
+        try:
+            key = loop.run_until_complete(request_key_async(_model(), _request(big)))
+        finally:
+            loop.close()
+    assert key == request_key(_model(), _request(big))
 
 
 def test_bytes_elements_keep_their_boundaries() -> None:
@@ -421,6 +440,24 @@ def test_hits_are_shared_between_http_and_grpc(
     result = grpc.infer("simple_cached", _simple_inputs(a, b, grpcclient), request_id="g")
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
     assert result.get_response().id == "g"
+    after = _counts(server, "simple_cached")
+    assert (after[1] - before[1], after[2] - before[2], after[4] - before[4]) == (1, 1, 1)
+
+
+def test_a_grpc_stream_gets_hits_too(server: RunningServer, grpc: grpcclient.InferenceServerClient) -> None:
+    a, b = np.full((1, 16), 13, np.int32), np.full((1, 16), 6, np.int32)
+    answers: queue.Queue[Any] = queue.Queue()
+    before = _counts(server, "simple_cached")
+    grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for index in range(2):
+            grpc.async_stream_infer("simple_cached", _simple_inputs(a, b, grpcclient), request_id=f"s{index}")
+            result, error = answers.get(timeout=30)
+            assert error is None
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+            assert result.get_response().id == f"s{index}"
+    finally:
+        grpc.stop_stream()
     after = _counts(server, "simple_cached")
     assert (after[1] - before[1], after[2] - before[2], after[4] - before[4]) == (1, 1, 1)
 
@@ -673,5 +710,30 @@ def test_refusals_and_a_server_without_a_cache(tmp_path: Path) -> None:
                 )
             assert _counts(server, "simple_cached") == (2, 0, 0, 2, 2)
             assert "nv_cache_num_hits_per_model" not in _scrape(server)
+        finally:
+            client.close()
+
+
+def test_a_reloaded_model_does_not_answer_from_the_one_it_replaced(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    models.simple(repo, "simple_cached", extra=CACHED)
+    args = ["--model-control-mode", "explicit", "--load-model", "simple_cached", "--cache-config",
+            f"local,size={CACHE_SIZE}"]
+    with geserve([repo], tmp_path / "server.log", args) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        try:
+            a, b = np.full((1, 16), 2, np.int32), np.full((1, 16), 1, np.int32)
+            client.infer("simple_cached", _simple_inputs(a, b))
+            client.infer("simple_cached", _simple_inputs(a, b))
+            assert _counts(server, "simple_cached")[1:3] == (1, 1)
+            # The same version loaded again (its files may have changed, as poll mode would find): a new model
+            # whose statistics start afresh, and whose first answer is computed, not taken from the old one's.
+            config = repo / "simple_cached" / "config.pbtxt"
+            config.write_text(config.read_text() + "\n# changed\n")
+            client.load_model("simple_cached")
+            client.infer("simple_cached", _simple_inputs(a, b))
+            client.infer("simple_cached", _simple_inputs(a, b))
+            assert _counts(server, "simple_cached") == (2, 1, 1, 1, 1)
         finally:
             client.close()

@@ -5,6 +5,7 @@ scheduler, labels, statistics and readiness check."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from geserve.scheduling.scheduler import EnsembleSetup
 from geserve.statistics import LatencyObserver, ModelStatistics
 
 logger = logging.getLogger(__name__)
+# Numbers for the loads of models that use the response cache (see _response_cache_generation).
+_CACHE_GENERATIONS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +144,7 @@ class ModelBuilder:
             decoupled=config.model_transaction_policy.decoupled,
             readiness=readiness,
             model_dir=prepared.model_dir,
-            response_cache=_uses_response_cache(config, self._options.response_cache),
+            response_cache=_response_cache_generation(config, self._options.response_cache),
         )
 
 
@@ -175,13 +178,17 @@ def _refuse_uncacheable(config: ModelConfig) -> None:
         )
 
 
-def _uses_response_cache(config: ModelConfig, server_cache: bool) -> bool:
-    """Both switches, as Triton requires: the model's `response_cache { enable: true }` and a server cache. A model
-    that enables it on a server without one is served uncached, as Triton serves it (no warning there either)."""
-    if config.response_cache.enable and not server_cache:
+def _response_cache_generation(config: ModelConfig, server_cache: bool) -> int:
+    """0 unless both switches are on, as Triton requires (the model's `response_cache { enable: true }` and a server
+    cache), else a number no other load gets (`LoadedModel.response_cache`). A model that enables it on a server
+    without a cache is served uncached, as Triton serves it (no warning there either)."""
+    if not config.response_cache.enable:
+        return 0
+    if not server_cache:
         logger.debug("model '%s' enables response_cache but the server has no cache (--cache-config): not cached",
                      config.name)
-    return config.response_cache.enable and server_cache
+        return 0
+    return next(_CACHE_GENERATIONS)
 
 
 def _finalize(instances: Sequence[ModelInstance]) -> None:

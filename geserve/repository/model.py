@@ -50,9 +50,10 @@ class LoadedModel:
     decoupled: bool = False
     # The folder it was loaded from: the manager keeps a load request's private folder while a version serves from it.
     model_dir: Path | None = None
-    # response_cache { enable: true } with a server cache configured (--cache-config): decided once at load, so a
-    # model without it costs the infer path this one attribute test (service/response_cache.py).
-    response_cache: bool = False
+    # response_cache { enable: true } with a server cache configured (--cache-config), decided once at load so that a
+    # model without it costs the infer path one attribute test: 0 when not cached, else a number no other load gets,
+    # part of the cache key: a reloaded model never answers with the answers of the one it replaced.
+    response_cache: int = 0
 
     @property
     def max_batch_size(self) -> int:

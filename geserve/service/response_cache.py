@@ -5,12 +5,14 @@ The cache sits in the service's one infer path (`InferenceService._execute`), af
 and before the model's scheduler, so every caller gets it: HTTP, gRPC, BLS calls and ensemble steps alike (a cached
 step skips its execution), and an ensemble that enables it caches its own top-level answers too, as Triton does.
 
-Key. A SHA-256 over what decides the answer: the model's name and version, the caller's identity (a model may
-answer per caller, so one caller never gets another's entry), every input's name, datatype, shape and bytes (in
-name order, each length-prefixed), the requested outputs in order with their classification, and the request
-parameters that reach the model (not `priority`, `timeout` or `binary_data_output`, which change how or when it is
-answered, not what). Triton hashes the name, version and input bytes only; geserve's key is a superset, so it never
-answers a request with another's response where Triton would not. SHA-256 rather than BLAKE2: with the SHA
+Key. A SHA-256 over what decides the answer: the model's name and version and the number of its load (a model
+reloaded with new files under the same version, as poll mode does, must not answer with the old one's answers),
+the caller's identity (a model may answer per caller, so one caller never gets another's entry), every input's
+name, datatype, shape and bytes (in name order, each length-prefixed), the requested outputs in order with their
+classification, and the request parameters that reach the model (not `priority`, `timeout` or
+`binary_data_output`, which change how or when it is answered, not what). Triton hashes the name, version and input
+names and bytes only; geserve's key is a superset, so it never answers a request with another's response where
+Triton would not. SHA-256 rather than BLAKE2: with the SHA
 extensions of current x86 and ARM CPUs it is the fastest strong hash in `hashlib` (a ResNet-50 input, 602 KB:
 ~340 us against ~660 us). Inputs are fed as memoryviews of their arrays, never copied (BYTES inputs are serialized
 first, as on the wire); a request whose inputs exceed `_HASH_ON_LOOP_BYTES` is hashed in a worker thread
@@ -207,7 +209,8 @@ def _key_header(model: LoadedModel, request: InferenceRequest) -> bytes:
     inputs = [(t.name, t.datatype, tuple(int(d) for d in t.shape)) for t in sorted(request.inputs, key=_name)]
     outputs = None if request.outputs is None else [(o.name, o.classification) for o in request.outputs]
     parameters = sorted((k, repr(v)) for k, v in request.parameters.items() if k not in _NOT_IN_KEY)
-    return repr((model.name, model.version, request.identity, inputs, outputs, parameters)).encode()
+    load = model.response_cache  # the load's own number: a reloaded model starts with no entries
+    return repr((model.name, model.version, load, request.identity, inputs, outputs, parameters)).encode()
 
 
 def _name(tensor: OutputTensor) -> str:
