@@ -126,9 +126,18 @@ class ModelStatistics:
             self.cache_miss.add(lookup_ns + insert_ns)
 
     def record_execution(
-        self, request_count: int, batch_rows: int, queue_ns: list[int], input_ns: int, infer_ns: int, output_ns: int
+        self,
+        request_count: int,
+        batch_rows: int,
+        queue_ns: list[int],
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        batch_size: int = 0,
     ) -> None:
-        """One execution of a batch: each request in it is charged the whole batch's compute, as in Triton."""
+        """One execution of a batch: each request in it is charged the whole batch's compute, as in Triton.
+        `batch_size` (default: `batch_rows`) keys the batch statistics: a sequence batcher's batch also holds the
+        null requests of its empty slots, which Triton counts in the batch's size but not as inferences."""
         with self._lock:
             self.execution_count += 1
             self.inference_count += batch_rows
@@ -137,7 +146,7 @@ class ModelStatistics:
             self.compute_input.add(input_ns * request_count, request_count)
             self.compute_infer.add(infer_ns * request_count, request_count)
             self.compute_output.add(output_ns * request_count, request_count)
-            batch = self.batches.setdefault(batch_rows, BatchStats())
+            batch = self.batches.setdefault(batch_size or batch_rows, BatchStats())
             batch.compute_input.add(input_ns)
             batch.compute_infer.add(infer_ns)
             batch.compute_output.add(output_ns)

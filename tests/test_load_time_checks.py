@@ -1,10 +1,11 @@
 """What a load refuses or lets through: a Triton ONNX Runtime model with parameters geserve does not know loads (with
-one warning per model), the GE dialects stay strict, and a stateful model is refused until the sequence batcher
-exists rather than served wrongly."""
+one warning per model), the GE dialects stay strict, and a stateful model loads and is served by the sequence batcher
+(never as a stateless one)."""
 
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,10 +93,21 @@ def test_the_ge_dialects_refuse_unknown_parameters(server: RunningServer) -> Non
         assert f"unknown parameter 'execute_delay_ms' for model '{name}'" in entry["reason"]
 
 
-def test_a_stateful_model_is_refused_until_the_sequence_batcher_exists(server: RunningServer) -> None:
+def test_a_stateful_model_loads_and_is_served_by_the_sequence_batcher(server: RunningServer) -> None:
     index = _index(server)
-    entry = index[("stateful", "")]  # refused before any version was tried
-    assert entry["state"] == "UNAVAILABLE"
-    assert "sequence_batching" in entry["reason"] and "no sequence batcher" in entry["reason"]
-    assert "would give wrong answers" in entry["reason"]
-    assert not any(name == "stateful" and key for name, key in index)
+    entry = index[("stateful", "1")]
+    assert entry["state"] == "READY", entry
+    assert not any(name == "stateful" and not key for name, key in index)  # not refused before its versions
+    inputs = [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": [3] * 16} for n in ("INPUT0", "INPUT1")]
+    started = {"inputs": inputs, "parameters": {"sequence_id": 7, "sequence_start": True, "sequence_end": True}}
+    assert _post(server, "/v2/models/stateful/infer", started)["outputs"][0]["data"] == [6] * 16
+    # Served as a sequence model, not as a stateless one: a request outside a sequence is refused in Triton's words.
+    for parameters, message in (
+        ({}, "inference request to model 'stateful' must specify a non-zero or non-empty correlation ID"),
+        ({"sequence_id": 8}, "inference request for sequence 8 to model 'stateful' must specify the START flag on "
+                             "the first request of the sequence"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(server, "/v2/models/stateful/infer", {"inputs": inputs, "parameters": parameters})
+        assert refused.value.code == 400
+        assert json.loads(refused.value.read())["error"] == message

@@ -6,6 +6,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc.model_config_pb2 import ModelConfig, ModelInput, ModelOutput
 
 from geserve.config.ensemble import is_ensemble, validate_ensemble_graph
+from geserve.config.sequence import fill_sequence_defaults, validate_sequence_batching
 from geserve.errors import InvalidArgumentError
 
 
@@ -33,6 +34,7 @@ def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model
     if (config.WhichOneof("scheduling_choice") == "dynamic_batching" and not batching.preferred_batch_size
             and config.max_batch_size > 0):
         batching.preferred_batch_size.append(config.max_batch_size)
+    fill_sequence_defaults(config)
     if not config.HasField("optimization"):
         config.optimization.input_pinned_memory.enable = True
         config.optimization.output_pinned_memory.enable = True
@@ -68,6 +70,7 @@ def validate(config: ModelConfig, model_dir_name: str) -> None:
     if policy.HasField("latest") and policy.latest.num_versions < 1:
         raise InvalidArgumentError(f"version_policy.latest.num_versions must be >= 1 for {config.name}")
     validate_ensemble_graph(config)
+    validate_sequence_batching(config)
 
 
 def _validate_tensor(config: ModelConfig, kind: str, tensor: ModelInput | ModelOutput) -> None:

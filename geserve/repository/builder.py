@@ -16,6 +16,7 @@ from geserve.backends.base import ModelInstance, ModelSource
 from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig, fill_defaults, parse_config_json, read_model_config, validate
 from geserve.config.ensemble import is_ensemble, step_model_names
+from geserve.config.sequence import SequenceSettings, is_sequence_model
 from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, UnsupportedError
 from geserve.repository.model import LoadedModel, tensor_specs
 from geserve.repository.store import available_versions, select_versions
@@ -113,6 +114,9 @@ class ModelBuilder:
         if not source.version_dir.is_dir():
             raise NotFoundError(f"version folder {source.version_dir} not found")
         backend = self._registry.backend_for(config)
+        # Read before the instances load: a missing initial state file fails the load at once.
+        sequence = (await asyncio.to_thread(SequenceSettings.from_config, config, prepared.model_dir)
+                    if is_sequence_model(config) else None)
         instances = await asyncio.to_thread(backend.create_instances, config, source)
         try:
             # Before the version is READY and before any scheduler sees the instances, as Triton warms each instance
@@ -129,7 +133,7 @@ class ModelBuilder:
             scheduler = create_scheduler(config, None, setup)
         else:
             pool = InstancePool(config.name, instances, statistics, self._options.inline_execution_us)
-            scheduler = create_scheduler(config, pool)
+            scheduler = create_scheduler(config, pool, sequence=sequence)
             readiness = pool.instances_ready if pool.checks_readiness else None
         return LoadedModel(
             name=config.name,
@@ -149,14 +153,14 @@ class ModelBuilder:
 
 
 def _refuse_unserved(config: ModelConfig) -> None:
-    """Configs geserve cannot serve correctly yet, refused at load rather than answered wrongly with status 200."""
-    if config.WhichOneof("scheduling_choice") == "sequence_batching":
-        # Until the sequence batcher exists (the stateful-models issue): without it the control inputs (START, END,
-        # READY, CORRID) would never be filled and no state kept between a sequence's requests.
+    """Configs geserve cannot serve correctly, refused at load rather than answered wrongly with status 200."""
+    if is_sequence_model(config) and config.sequence_batching.state and config.model_transaction_policy.decoupled:
+        # A decoupled model answers through its response senders, after the batcher saw its execution end: there is
+        # no state output to keep for the sequence's next request.
         raise UnsupportedError(
-            f"model '{config.name}' uses sequence_batching, and geserve has no sequence batcher yet: serving a "
-            f"stateful model as a stateless one (its control inputs never filled, its state never kept between "
-            f"the requests of a sequence) would give wrong answers, so it is not loaded"
+            f"model '{config.name}' keeps implicit state (sequence_batching.state) and is decoupled: geserve reads a "
+            f"sequence's state from the response its execution returns, which a decoupled model does not return, "
+            f"so it is not loaded"
         )
 
 

@@ -108,9 +108,16 @@ class InstancePool:
             raise
 
     async def run(
-        self, worker: Worker, requests: list[InferenceRequest], enqueued_ns: list[int], padding_rows: int = 0
+        self,
+        worker: Worker,
+        requests: list[InferenceRequest],
+        enqueued_ns: list[int],
+        padding_rows: int = 0,
+        null_requests: int = 0,
     ) -> Results:
-        """Execute `requests` as one batch on `worker`; the last `padding_rows` rows are gear padding."""
+        """Execute `requests` as one batch on `worker`; the last `padding_rows` rows are gear padding. `null_requests`
+        of them (one row each) fill a sequence batcher's empty slots: they count in the batch's size, as in Triton,
+        but are no inferences of their own."""
         started = time.monotonic_ns()
         if worker.inline_allowed and 0 < self._typical_ns <= self.inline_below_ns:
             # Shorter than a thread hand-off costs under the GIL: run it here, the loop stalls less than that.
@@ -128,9 +135,10 @@ class InstancePool:
         total = compute.input_ns + compute.infer_ns + compute.output_ns
         self._typical_ns = total if not self._typical_ns else (7 * self._typical_ns + total) // 8
         rows = sum(r.batch_size for r in requests) - padding_rows
-        count = len(requests) - (1 if padding_rows else 0)
+        count = len(requests) - (1 if padding_rows else 0) - null_requests
         self._statistics.record_execution(
-            count, rows, [started - t for t in enqueued_ns], compute.input_ns, compute.infer_ns, compute.output_ns
+            count, rows - null_requests, [started - t for t in enqueued_ns], compute.input_ns, compute.infer_ns,
+            compute.output_ns, batch_size=rows,
         )
         for request in requests:
             if request.compute is not None:
@@ -153,6 +161,15 @@ class InstancePool:
         except asyncio.TimeoutError:  # not the builtin before 3.11
             return False
         return all(results)
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return tuple(self._workers)
+
+    def claim(self, worker: Worker) -> None:
+        """Take this very instance off the free list (it must be free): for a scheduler that keeps each instance to
+        itself, as the sequence batcher keeps a sequence on its instance; `run` hands it back as usual."""
+        self._free.remove(worker)
 
     def take_free(self) -> Worker:
         """A free instance right now (check `has_free` first): no await between the check and the take."""

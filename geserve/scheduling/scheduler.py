@@ -9,6 +9,7 @@ from typing import Protocol
 
 from geserve.backends.base import InferenceHost
 from geserve.config import ModelConfig
+from geserve.config.sequence import SequenceSettings
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
 from geserve.statistics import ModelStatistics
@@ -38,11 +39,13 @@ class EnsembleSetup:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerParts:
-    """What a scheduler is built from: the model's config and, by kind, its instance pool or its ensemble setup."""
+    """What a scheduler is built from: the model's config and, by kind, its instance pool or its ensemble setup; a
+    sequence model's settings as its builder read them (initial states from the model's folder)."""
 
     config: ModelConfig
     pool: InstancePool | None = None
     ensemble: EnsembleSetup | None = None
+    sequence: SequenceSettings | None = None
 
     def instance_pool(self) -> InstancePool:
         if self.pool is None:

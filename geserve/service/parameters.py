@@ -1,5 +1,6 @@
-"""The rules of an inference request's parameters (priority, timeout, reserved `triton_` keys), once for every
-protocol; only Triton's wording differs between HTTP and gRPC. Which wire field carries a value is the codecs' job."""
+"""The rules of an inference request's parameters (priority, timeout, reserved `triton_` keys, the sequence
+parameters), once for every protocol; only Triton's wording differs between HTTP and gRPC. Which wire field carries a
+value is the codecs' job (gRPC's converter refuses a sequence parameter in the wrong field, in Triton's words)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class _Wording:
     allowed_reserved: tuple[str, ...]
     priority: str  # formatted with the value
     timeout: str | None  # None: a negative timeout means none (Triton's gRPC clamps it to 0)
+    sequence_id: str = "invalid value type for 'sequence_id' parameter, expected int64_param or string_param."
+    sequence_flag: str = "invalid value type for '{}' parameter, expected bool_param."
 
 
 _WORDING = {
@@ -27,6 +30,9 @@ _WORDING = {
         allowed_reserved=(),
         priority="'priority' must be a non-negative integer, got {!r}",
         timeout="'timeout' must be a non-negative integer (microseconds), got {!r}",
+        # Triton's HTTP frontend reads an unsigned integer, else a string, else fails with the string's reason.
+        sequence_id="Unable to parse 'sequence_id': attempt to access JSON non-string as string",
+        sequence_flag="Unable to parse '{}': attempt to access JSON non-boolean as boolean",
     ),
     Transport.GRPC: _Wording(
         reserved=(
@@ -59,12 +65,27 @@ def apply_parameters(request: InferenceRequest, transport: Transport) -> None:
                 raise InvalidArgumentError((wording.timeout or "").format(value))
             else:
                 request.timeout_us = value
+        elif key == "sequence_id":
+            # An unsigned 64-bit integer (gRPC's int64 stands for the same bits) or a string, for any model: a
+            # sequence model's scheduler decides what the id means.
+            if not isinstance(value, str) and not _sequence_number(value, transport):
+                raise InvalidArgumentError(wording.sequence_id)
+        elif key in ("sequence_start", "sequence_end"):
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(wording.sequence_flag.format(key))
         elif key.startswith("triton_"):
             if key not in wording.allowed_reserved:
                 raise InvalidArgumentError(wording.reserved)
             allowed.append(key)
     if allowed:
         request.parameters = {k: v for k, v in request.parameters.items() if k not in allowed}
+
+
+def _sequence_number(value: Any, transport: Transport) -> bool:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    low = -(1 << 63) if transport == Transport.GRPC else 0
+    return low <= value < (1 << 64)
 
 
 def _non_negative_int(value: Any) -> bool:

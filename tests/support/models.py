@@ -284,3 +284,124 @@ parameters {{ key: "fail" value: {{ string_value: "{1 if fail else 0}" }} }}
 {warmup}
 """)
     return model_dir
+
+
+def accumulator(
+    repo: Path,
+    name: str = "accumulator",
+    strategy: str = "direct { }",
+    idle_us: int = 5_000_000,
+    max_batch_size: int = 4,
+    initial_value: int | None = None,
+    instances: int = 1,
+) -> Path:
+    """A stateful ONNX model for the sequence batcher: OUTPUT = INPUT + STATE_IN and STATE_OUT = OUTPUT (INT32 [1]),
+    the state kept by the server between a sequence's requests (implicit state, zero at START, or `initial_value`
+    read from initial_state/start.bin). CONTROLS echoes START, END and READY as INT32 [3] (given as int32, fp32 and
+    bool controls) and CORRID_OUT the UINT64 correlation id, so a test sees what the batcher fed."""
+    batch = ["batch"] if max_batch_size else []
+    one = [*batch, 1]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["INPUT", "STATE_IN"], ["OUTPUT"]),
+         helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"]),
+         helper.make_node("Cast", ["END"], ["END_I"], to=TensorProto.INT32),
+         helper.make_node("Cast", ["READY"], ["READY_I"], to=TensorProto.INT32),
+         helper.make_node("Concat", ["START", "END_I", "READY_I"], ["CONTROLS"], axis=len(batch)),
+         helper.make_node("Identity", ["CORRID"], ["CORRID_OUT"])],
+        name,
+        [helper.make_tensor_value_info("INPUT", TensorProto.INT32, one),
+         helper.make_tensor_value_info("START", TensorProto.INT32, one),
+         helper.make_tensor_value_info("END", TensorProto.FLOAT, one),
+         helper.make_tensor_value_info("READY", TensorProto.BOOL, one),
+         helper.make_tensor_value_info("CORRID", TensorProto.UINT64, one),
+         helper.make_tensor_value_info("STATE_IN", TensorProto.INT32, one)],
+        [helper.make_tensor_value_info("OUTPUT", TensorProto.INT32, one),
+         helper.make_tensor_value_info("STATE_OUT", TensorProto.INT32, one),
+         helper.make_tensor_value_info("CONTROLS", TensorProto.INT32, [*batch, 3]),
+         helper.make_tensor_value_info("CORRID_OUT", TensorProto.UINT64, one)],
+    )
+    initial = 'zero_data: true name: "zero"' if initial_value is None else 'data_file: "start.bin" name: "file"'
+    config = f"""
+name: "{name}"
+backend: "onnxruntime"
+max_batch_size: {max_batch_size}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [
+  {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "CONTROLS" data_type: TYPE_INT32 dims: [ 3 ] }},
+  {{ name: "CORRID_OUT" data_type: TYPE_UINT64 dims: [ 1 ] }}
+]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: {idle_us}
+  {strategy}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
+  ]
+  state [ {{
+    input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ]
+    initial_state {{ data_type: TYPE_INT32 dims: [ 1 ] {initial} }}
+  }} ]
+}}
+"""
+    model_dir = repo / name
+    _save(model_dir, graph, config)
+    if initial_value is not None:
+        (model_dir / "initial_state").mkdir(exist_ok=True)
+        start = int(initial_value).to_bytes(4, "little", signed=True)
+        (model_dir / "initial_state" / "start.bin").write_bytes(start)
+    return model_dir
+
+
+_PY_ACCUMULATOR = '''"""A Triton Python sequence model: OUTPUT = INPUT + STATE_IN, its implicit state
+STATE_OUT = OUTPUT; FLAGS is request.flags() and CORRID request.correlation_id() as text; a null request (READY 0)
+answers zeros."""
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            state = pb_utils.get_input_tensor_by_name(request, "STATE_IN").as_numpy()
+            ready = pb_utils.get_input_tensor_by_name(request, "READY").as_numpy()
+            total = ((x + state) * ready).astype(np.int32)
+            flags = np.full(x.shape, request.flags(), dtype=np.int32)
+            corrid = np.array([[str(request.correlation_id()).encode()]], dtype=object)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT", total), pb_utils.Tensor("STATE_OUT", total),
+                pb_utils.Tensor("FLAGS", flags), pb_utils.Tensor("CORRID", corrid),
+            ]))
+        return responses
+'''
+
+
+def python_accumulator(repo: Path, name: str = "py_accumulator") -> Path:
+    """The Python twin of `accumulator` (max_batch_size 2, direct): it reads the flags and correlation id through
+    pb_utils as Triton's Python models do, and keeps its sum as implicit state; string or integer ids."""
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / "model.py").write_text(_PY_ACCUMULATOR)
+    (model_dir / "config.pbtxt").write_text(f"""
+name: "{name}"
+backend: "python"
+max_batch_size: 2
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [
+  {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "CORRID" data_type: TYPE_STRING dims: [ 1 ] }}
+]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+sequence_batching {{
+  control_input [ {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }} ]
+  state [ {{ input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+}}
+""")
+    return model_dir

@@ -13,6 +13,7 @@ from tritonclient.grpc import model_config_pb2
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.package import is_package, read_manifest
 from geserve.config import ModelConfig
+from geserve.config.sequence import sequence_inputs, sequence_outputs
 from geserve.errors import InvalidArgumentError
 from geserve.types.datatypes import BY_WIRE, ONNX_TO_WIRE
 
@@ -93,6 +94,11 @@ def _tensor(value: onnx.ValueInfoProto, model_path: Path) -> GraphTensor:
 
 def auto_complete(config: ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
     inputs, outputs = read_signature(model_path)
+    # A sequence model's control and state tensors are fed and read by the sequence batcher, never by a client.
+    hidden = {t.name for t in (*sequence_inputs(config), *sequence_outputs(config))}
+    if hidden:
+        inputs = [t for t in inputs if t.name not in hidden]
+        outputs = [t for t in outputs if t.name not in hidden]
     graph = inputs + outputs
     batchable = bool(graph) and all(t.shape and t.shape[0] == -1 for t in graph)
     if config.max_batch_size == 0 and batchable and not _dims_given_with_batch(config, graph):

@@ -16,6 +16,7 @@ from geserve.backends.ge.compiled import apply_gears, compile_on_load, find_pack
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
 from geserve.config import ModelConfig
+from geserve.config.sequence import sequence_inputs, sequence_outputs
 from geserve.errors import InvalidArgumentError, UnavailableError
 from geserve.metrics.custom import CustomMetricStore
 from geserve.types.datatypes import BY_CONFIG
@@ -136,8 +137,11 @@ def _layout(config: ModelConfig, path: Path) -> ModelLayout:
     graph_inputs, graph_outputs = read_signature(path)
     feedable = graph_inputs + read_overridable_inputs(path)
     batching = config.max_batch_size > 0
-    inputs = {t.name: _tensor_layout(config, t, feedable, "input", path, batching) for t in config.input}
-    outputs = {t.name: _tensor_layout(config, t, graph_outputs, "output", path, batching) for t in config.output}
+    # A sequence model's control and state inputs and its state outputs are the graph's too (the batcher feeds them).
+    config_inputs = [*config.input, *sequence_inputs(config)]
+    config_outputs = [*config.output, *sequence_outputs(config)]
+    inputs = {t.name: _tensor_layout(config, t, feedable, "input", path, batching) for t in config_inputs}
+    outputs = {t.name: _tensor_layout(config, t, graph_outputs, "output", path, batching) for t in config_outputs}
     missing = {t.name for t in graph_inputs} - set(inputs)
     if missing:
         raise InvalidArgumentError(

@@ -295,13 +295,18 @@ class InferenceRequest:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException(f"BLS inputs must be pb_utils.Tensor objects, got {type(tensor).__name__}")
         version = str(self._model_version) if isinstance(self._model_version, int) and self._model_version > 0 else ""
+        parameters = dict(self._parameters)
+        if self._correlation_id:  # a BLS request in a sequence travels as Triton's sequence parameters
+            parameters["sequence_id"] = self._correlation_id
+            parameters["sequence_start"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+            parameters["sequence_end"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
         return CoreRequest(
             self._model_name,
             version,
             [t._to_core() for t in self._inputs],
             outputs=[RequestedOutput(n) for n in self._requested] or None,
             id=self._request_id,
-            parameters=dict(self._parameters),
+            parameters=parameters,
             timeout_us=int(self._timeout or 0),
         )
 
@@ -319,12 +324,20 @@ class InferenceRequest:
         wrapped._model_name = request.model_name
         wrapped._inputs = [Tensor._from_core(t) for t in request.inputs]
         wrapped._requested = output_names if request.outputs is None else [o.name for o in request.outputs]
-        wrapped._correlation_id = request.parameters.get("sequence_id", 0)
+        parameters = request.parameters
+        wrapped._correlation_id = _correlation_id(parameters.get("sequence_id", 0))
         wrapped._request_id = request.id
         wrapped._model_version = int(request.model_version) if request.model_version.isdigit() else -1
-        wrapped._flags = 0
+        wrapped._flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if parameters.get("sequence_start") else 0) | (
+            TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if parameters.get("sequence_end") else 0
+        )
         wrapped._timeout = request.timeout_us
-        wrapped._parameters = request.parameters
+        # Triton's frontends take the sequence parameters as the request's correlation id and flags, never as
+        # parameters the model sees.
+        wrapped._parameters = (
+            {k: v for k, v in parameters.items() if k not in _SEQUENCE_PARAMETERS}
+            if not _SEQUENCE_PARAMETERS.isdisjoint(parameters) else parameters
+        )
         wrapped._sender = None
         wrapped._make_sender = make_sender
         wrapped._identity = request.identity
@@ -354,6 +367,18 @@ async def _async_drain(items: asyncio.Queue[StreamResponse]) -> AsyncIterator[In
         yield InferenceResponse._from_stream(item)
         if item.final:
             return
+
+
+_SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+
+
+def _correlation_id(value: Any) -> int | str:
+    """`request.correlation_id()`: Triton's unsigned id (gRPC's int64 read as the same bits), or a string id."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value % (1 << 64)
+    return 0
 
 
 def _parameters_dict(parameters: dict[str, Any] | str | None) -> dict[str, Any]:

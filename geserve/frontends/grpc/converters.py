@@ -190,6 +190,14 @@ def _apply_request_parameters(request: InferenceRequest, parameters: Any) -> boo
         elif key == "timeout":
             if kind != "int64_param":
                 raise InvalidArgumentError("invalid value type for 'timeout' parameter, expected int64_param.")
+        elif key == "sequence_id":
+            if kind not in ("int64_param", "string_param"):
+                raise InvalidArgumentError(
+                    "invalid value type for 'sequence_id' parameter, expected int64_param or string_param."
+                )
+        elif key in ("sequence_start", "sequence_end"):
+            if kind != "bool_param":
+                raise InvalidArgumentError(f"invalid value type for '{key}' parameter, expected bool_param.")
         elif not key.startswith("triton_") and kind not in _PASS_THROUGH_KINDS:
             raise InvalidArgumentError(
                 f"invalid value type for '{key}' parameter, expected int64_param, bool_param, or string_param."

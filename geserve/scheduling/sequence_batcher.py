@@ -1,0 +1,296 @@
+"""Triton's sequence batcher: the requests of one sequence (one correlation id) go, in order, to the slot the
+sequence was given on one instance, with the control inputs filled in and the implicit state kept in between.
+
+As in Triton's SequenceBatchScheduler: a request names its sequence by the `sequence_id` parameter and marks the
+first and last with `sequence_start` / `sequence_end`. A START takes a free slot (lowest slot number first, across
+the instances), or waits in the backlog until a sequence ends; every later request follows its sequence. A sequence
+idle for `max_sequence_idle_microseconds` loses its slot (the reaper), and a request that names no live sequence
+without START is refused. How each instance batches its slots is the strategy's (scheduling/sequence_strategies.py).
+
+Everything runs on the event loop, with one task per instance and the reaper; when any of them dies, every request
+still held fails with the reason rather than waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from geserve.config import ModelConfig
+from geserve.config.sequence import SequenceSettings, is_sequence_model
+from geserve.errors import InvalidArgumentError, UnavailableError
+from geserve.scheduling.pool import InstancePool
+from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
+from geserve.scheduling.sequence_requests import SequenceId, SequenceInputs, sequence_id
+from geserve.scheduling.sequence_strategies import FORCE_END, DirectRunner, Item, OldestRunner, Pending, Runner, Slot
+from geserve.types import InferenceRequest, InferenceResponse
+
+logger = logging.getLogger(__name__)
+
+_BACKLOG_IDLE_RECHECK_NS = 50_000_000  # Triton's reaper looks again at an idle sequence still in the backlog
+_SEQUENCE_EXPIRED = "timeout of the corresponding sequence has been expired"
+_STOPPING = "Server is stopping, scheduler for model has stopped accepting new inference requests"
+
+
+@dataclass(eq=False, slots=True)
+class _Backlog:
+    """A sequence waiting for a slot: its requests so far, and when the earliest of their timeouts expires."""
+
+    requests: deque[Pending]
+    expires_ns: int = 0  # 0: none of them has a timeout
+
+
+class SequenceBatcher:
+    def __init__(self, model_name: str, settings: SequenceSettings, pool: InstancePool) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.inputs = SequenceInputs(model_name, settings)
+        self._name = model_name
+        runner = OldestRunner if settings.oldest else DirectRunner
+        self._runners: list[Runner] = [runner(self, worker, i) for i, worker in enumerate(pool.workers)]
+        # Free slots as (slot, instance): slot 0 of every instance before slot 1 of any, as Triton hands them out.
+        self._free: list[tuple[int, int]] = [
+            (s, r) for s in range(settings.slots_per_instance) for r in range(len(self._runners))
+        ]
+        heapq.heapify(self._free)
+        self._assigned: dict[SequenceId, Slot] = {}
+        self._backlog_of: dict[SequenceId, _Backlog] = {}  # a sequence still collecting in the backlog
+        self._backlogs: deque[_Backlog] = deque()
+        self._last_seen: dict[SequenceId, int] = {}  # monotonic ns of each sequence's latest request
+        self._outstanding = 0  # requests accepted and not yet answered
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._reaper_wake = asyncio.Event()
+        self._reaper_due_ns = 0
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._guard(r.serve()), name=f"sequence-{model_name}-{r.index}") for r in self._runners
+        ]
+        self._tasks.append(loop.create_task(self._guard(self._reap()), name=f"sequence-reaper-{model_name}"))
+
+    @property
+    def inflight_count(self) -> int:
+        return self._outstanding
+
+    # ---- enqueue ---------------------------------------------------------------------------------------------
+
+    async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
+        if self._failure is not None:
+            raise UnavailableError(f"the sequence batcher of model '{self._name}' failed: {self._failure}")
+        if request.batch_size > 1:
+            raise InvalidArgumentError(
+                f"inference request to model '{self._name}' must specify batch-size 1 due to requirements of "
+                f"sequence batcher"
+            )
+        corrid = sequence_id(request.parameters.get("sequence_id"))
+        if corrid is None:
+            raise InvalidArgumentError(
+                f"inference request to model '{self._name}' must specify a non-zero or non-empty correlation ID"
+            )
+        start = bool(request.parameters.get("sequence_start"))
+        end = bool(request.parameters.get("sequence_end"))
+        if self._stopping and start:
+            raise UnavailableError(_STOPPING)
+        self._check_id_type(corrid)
+        slot = self._assigned.get(corrid)
+        backlog = self._backlog_of.get(corrid)
+        if not start and slot is None and backlog is None:
+            raise InvalidArgumentError(
+                f"inference request for sequence {corrid} to model '{self._name}' must specify the START flag on the "
+                f"first request of the sequence"
+            )
+        now = time.monotonic_ns()
+        self._last_seen[corrid] = now
+        if start and (slot is not None or backlog is not None):
+            logger.warning(
+                "sequence %s for model '%s' has a conflict. The previous sequence did not end before this sequence "
+                "start. Previous sequence will be terminated early.", corrid, self._name,
+            )
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        pending = Pending(request, future, now, corrid, start, end)
+        self._outstanding += 1
+        self._drained.clear()
+        if slot is None and backlog is None and self._free:
+            index, runner = heapq.heappop(self._free)
+            slot = self._runners[runner].slots[index]
+            slot.corrid = corrid
+            self._assigned[corrid] = slot
+        if slot is not None:
+            if end:  # a later request of this id needs a START again (the slot frees once this one has run)
+                del self._assigned[corrid]
+            try:
+                slot.runner.enqueue(slot, pending)  # the oldest strategy may issue it here and now
+            except Exception as exc:
+                self._fail(exc)
+        else:
+            self._to_backlog(pending, backlog, now)
+        return await future
+
+    def _check_id_type(self, corrid: SequenceId) -> None:
+        """The id's type must be the one the model's CORRID control takes (Triton does not check, and copies the
+        wrong bytes); without one either kind is fine."""
+        control = self.settings.corrid
+        if control is None or isinstance(corrid, str) == (control.datatype.wire == "BYTES"):
+            return
+        wanted = "a string" if control.datatype.wire == "BYTES" else "an unsigned integer"
+        raise InvalidArgumentError(
+            f"inference request for sequence {corrid} to model '{self._name}' must give {wanted} 'sequence_id': the "
+            f"model's {control.kind_name} input '{control.name}' is {control.datatype.config_name}"
+        )
+
+    def _to_backlog(self, pending: Pending, backlog: _Backlog | None, now: int) -> None:
+        if backlog is None:
+            backlog = _Backlog(deque())
+            self._backlogs.append(backlog)
+            self._backlog_of[pending.corrid] = backlog
+        backlog.requests.append(pending)
+        if pending.end:
+            self._backlog_of.pop(pending.corrid, None)  # a request after this one starts a sequence of its own
+        timeout_us = pending.request.timeout_us
+        if timeout_us:
+            expires = now + timeout_us * 1000
+            backlog.expires_ns = min(backlog.expires_ns, expires) if backlog.expires_ns else expires
+            if not self._reaper_due_ns or expires < self._reaper_due_ns:
+                self._reaper_wake.set()
+
+    # ---- what the runners call --------------------------------------------------------------------------------
+
+    def release_slot(self, slot: Slot) -> bool:
+        """Triton's ReleaseSequenceSlot: the oldest backlogged sequence moves into the slot (True), else it is free."""
+        slot.state = None
+        if self._backlogs:
+            backlog = self._backlogs.popleft()
+            slot.queue.extend(backlog.requests)
+            last = backlog.requests[-1]
+            slot.corrid = last.corrid
+            if not last.end:  # still collecting: its next requests go to the slot now
+                if self._backlog_of.get(last.corrid) is backlog:
+                    del self._backlog_of[last.corrid]
+                self._assigned[last.corrid] = slot
+                # Idle from now on: the time it waited for a slot was the server's, not the client's (Triton would
+                # count it, and could take the slot back at once).
+                self._last_seen[last.corrid] = time.monotonic_ns()
+            return True
+        slot.corrid = None
+        heapq.heappush(self._free, (slot.index, slot.runner.index))
+        return False
+
+    def finish(self, item: Item, result: InferenceResponse | BaseException) -> None:
+        if not isinstance(result, BaseException) and item.state is not None:
+            self.inputs.take_state(result, item.state)
+        self._answer(item.pending, result)
+
+    def _answer(self, pending: Pending, result: InferenceResponse | BaseException) -> None:
+        if pending.answered:  # failed already, when a task of the batcher died while it ran
+            return
+        pending.answered = True
+        future = pending.future
+        if not future.done():
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        self._outstanding -= 1
+        if not self._outstanding:
+            self._drained.set()
+
+    # ---- the reaper --------------------------------------------------------------------------------------------
+
+    async def _reap(self) -> None:
+        """Release the slots of idle sequences (after their queued requests) and fail backlogs past their timeout."""
+        idle_ns = self.settings.idle_ns
+        while True:
+            now = time.monotonic_ns()
+            due = now + idle_ns
+            for corrid, seen in list(self._last_seen.items()):
+                if now - seen < idle_ns:
+                    due = min(due, seen + idle_ns)
+                    continue
+                slot = self._assigned.pop(corrid, None)
+                if slot is not None:
+                    logger.debug("model '%s': sequence %s idle past %d us, its slot is released",
+                                 self._name, corrid, idle_ns // 1000)
+                    del self._last_seen[corrid]
+                    slot.runner.enqueue(slot, FORCE_END)
+                elif corrid in self._backlog_of:
+                    due = min(due, now + _BACKLOG_IDLE_RECHECK_NS)  # it gets a slot first; look again soon
+                else:
+                    del self._last_seen[corrid]  # it ended
+            for backlog in [b for b in self._backlogs if b.expires_ns]:
+                if backlog.expires_ns <= now:
+                    self._expire(backlog)
+                else:
+                    due = min(due, backlog.expires_ns)
+            self._reaper_due_ns = due
+            self._reaper_wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before 3.11
+                await asyncio.wait_for(self._reaper_wake.wait(), max(0, due - now) / 1e9)
+
+    def _expire(self, backlog: _Backlog) -> None:
+        self._backlogs.remove(backlog)
+        corrid = backlog.requests[0].corrid
+        if self._backlog_of.get(corrid) is backlog:
+            del self._backlog_of[corrid]
+        for pending in backlog.requests:
+            self._answer(pending, UnavailableError(_SEQUENCE_EXPIRED))
+
+    # ---- failure and stop -------------------------------------------------------------------------------------
+
+    async def _guard(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run one of the batcher's tasks; if it dies, fail every request the batcher holds."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: Exception) -> None:
+        logger.error("sequence batcher of model '%s' failed", self._name, exc_info=exc)
+        self._failure = exc
+        error = UnavailableError(f"the sequence batcher of model '{self._name}' failed: {exc}")
+        for pending in list(self._held()):
+            self._answer(pending, error)
+        for runner in self._runners:
+            for slot in runner.slots:
+                slot.queue.clear()
+        self._backlogs.clear()
+
+    def _held(self) -> Iterator[Pending]:
+        for runner in self._runners:
+            yield from runner.pending()
+        for backlog in self._backlogs:
+            yield from backlog.requests
+
+    async def stop(self) -> None:
+        """Refuse new sequences, serve what is held (an idle sequence's slot frees after the idle time, so backlogged
+        sequences get theirs), then release the instances."""
+        self._stopping = True
+        if self._failure is None:  # after a failure every request held was answered already
+            await self._drained.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.pool.close)
+
+
+def _serves(config: ModelConfig) -> bool:
+    return is_sequence_model(config)
+
+
+def _build(parts: SchedulerParts) -> SequenceBatcher:
+    settings = parts.sequence or SequenceSettings.from_config(parts.config, None)
+    return SequenceBatcher(parts.config.name, settings, parts.instance_pool())
+
+
+SCHEDULER_KIND = SchedulerKind("sequence_batching", _serves, _build)
