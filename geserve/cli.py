@@ -74,6 +74,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--http-max-header-size", type=int, default=64 * 1024, help="largest request line + headers (431 above)")
     add("--http-max-header-count", type=int, default=100, help="most header fields per request (431 above)")
     add("--http-max-connections", type=int, default=1024, help="most HTTP connections open at once")
+    add("--http-use-ssl", type=_bool, nargs="?", const=True, default=False,
+        help="HTTPS on the HTTP and metrics ports (needs --http-server-cert and --http-server-key)")
+    add("--http-use-ssl-mutual", type=_bool, nargs="?", const=True, default=False,
+        help="HTTPS requiring client certificates signed by --http-root-cert")
+    add("--http-server-cert", default="", metavar="PEM", help="the HTTPS certificate (chain); re-read on SIGHUP")
+    add("--http-server-key", default="", metavar="PEM", help="the HTTPS private key; re-read on SIGHUP")
+    add("--http-root-cert", default="", metavar="PEM",
+        help="CA certificates that client certificates must be signed by (mutual TLS); re-read on SIGHUP")
     add("--grpc-port", type=int, default=8001)
     add("--grpc-address", default="0.0.0.0")
     add("--allow-grpc", type=_bool, nargs="?", const=True, default=True)
@@ -88,6 +96,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="grpc_http2_min_recv_ping_interval_without_data_ms", help="ms")
     add("--grpc-http2-max-ping-strikes", type=int, default=2)
     add("--grpc-max-concurrent-streams", type=int, default=1024, help="most concurrent calls per gRPC connection")
+    add("--grpc-use-ssl", type=_bool, nargs="?", const=True, default=False,
+        help="gRPC over TLS (needs --grpc-server-cert and --grpc-server-key)")
+    add("--grpc-use-ssl-mutual", type=_bool, nargs="?", const=True, default=False,
+        help="gRPC over TLS requiring client certificates signed by --grpc-root-cert (overrides --grpc-use-ssl)")
+    add("--grpc-server-cert", default="", metavar="PEM", help="the gRPC server certificate (chain); re-read on SIGHUP")
+    add("--grpc-server-key", default="", metavar="PEM", help="the gRPC server private key; re-read on SIGHUP")
+    add("--grpc-root-cert", default="", metavar="PEM",
+        help="CA certificates that client certificates must be signed by (mutual TLS); re-read on SIGHUP")
     add("--allow-system-shared-memory", "--allow-client-shm", type=_bool, nargs="?", const=True, default=False,
         help="let clients register system shared memory regions for inputs and outputs (off by default; "
              "--allow-client-shm is Triton's name)")

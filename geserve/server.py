@@ -18,6 +18,7 @@ from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.native_server import HttpLimits
 from geserve.frontends.http.server import HttpService
 from geserve.frontends.metrics import MetricsOptions, MetricsService
+from geserve.frontends.tls import ReloadsTls, TlsError, TlsFiles, tls_files
 from geserve.metrics import CustomMetricStore, MetricsConfig
 from geserve.metrics.collector import SERVER_FAMILY_NAMES, build_registry
 from geserve.metrics.latency import LatencyRecorder
@@ -91,11 +92,20 @@ class Server:
             response_cache=self.response_cache,
         )
         registry.attach_host(self.service.host)
+        try:  # the TLS files are read and checked now: one missing or unusable stops the start (frontends/tls.py)
+            http_tls = tls_files("--http", settings.http_use_ssl, settings.http_use_ssl_mutual,
+                                 settings.http_server_cert, settings.http_server_key, settings.http_root_cert)
+            grpc_tls = tls_files("--grpc", settings.grpc_use_ssl, settings.grpc_use_ssl_mutual,
+                                 settings.grpc_server_cert, settings.grpc_server_key, settings.grpc_root_cert)
+        except TlsError as exc:
+            raise StartupError(str(exc)) from None
         # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,
         # so gRPC answers once HTTP says live), then HTTP.
         self.frontends: list[Frontend] = []
         if settings.allow_metrics:
-            self.frontends.append(_metrics_service(settings, metrics_config, self.manager, self.custom_metrics))
+            self.frontends.append(
+                _metrics_service(settings, metrics_config, self.manager, self.custom_metrics, http_tls)
+            )
         if settings.allow_grpc:
             self.frontends.append(GrpcServer(self.service, GrpcOptions(
                 settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
@@ -106,6 +116,7 @@ class Server:
                 http2_min_recv_ping_interval_without_data_ms=settings.grpc_http2_min_recv_ping_interval_without_data_ms,
                 http2_max_ping_strikes=settings.grpc_http2_max_ping_strikes,
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
+                tls=grpc_tls,
             )))
         if settings.allow_http:
             app = HttpFrontend(self.service, settings.http_max_input_size)
@@ -120,6 +131,7 @@ class Server:
                     max_header_count=settings.http_max_header_count,
                     max_connections=settings.http_max_connections,
                 ),
+                tls=http_tls,
             ))
         self._started: list[Frontend] = []
 
@@ -196,6 +208,14 @@ class Server:
         if self.poller is not None:
             await self.poller.stop()
 
+    def reload_tls(self) -> None:
+        """SIGHUP: the frontends serving TLS re-read their certificate, key and root files; new connections get
+        them, open ones keep theirs. A file that cannot be used leaves that frontend's certificate as it was."""
+        logger.info("SIGHUP: reloading TLS certificates")
+        for frontend in self.frontends:
+            if isinstance(frontend, ReloadsTls):
+                frontend.reload_tls()
+
     async def run_until_signalled(self) -> None:
         """Serve until SIGINT or SIGTERM, then stop cleanly; a second signal while stopping exits at once."""
         loop = asyncio.get_running_loop()
@@ -209,6 +229,8 @@ class Server:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, first_signal)
+        if any(isinstance(frontend, ReloadsTls) and frontend.serves_tls for frontend in self.frontends):
+            loop.add_signal_handler(signal.SIGHUP, self.reload_tls)  # certificate rotation; else SIGHUP is as before
         await self.start()
         await stop_requested.wait()
         if not await self.stop():
@@ -246,12 +268,13 @@ def _latency_observer_factory(settings: ServerSettings, config: MetricsConfig) -
 
 
 def _metrics_service(
-    settings: ServerSettings, config: MetricsConfig, manager: ModelManager, custom: CustomMetricStore
+    settings: ServerSettings, config: MetricsConfig, manager: ModelManager, custom: CustomMetricStore,
+    tls: TlsFiles | None = None,
 ) -> MetricsService:
     cpu = CpuSampler() if settings.allow_cpu_metrics else None
     if cpu is not None and not cpu.available:
         logger.warning("CPU metrics are unavailable on this platform (no /proc)")
         cpu = None
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
-    options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms)
+    options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms, tls)  # HTTP's TLS
     return MetricsService(build_registry(manager, config, cpu, custom), options, cpu)

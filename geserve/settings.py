@@ -79,6 +79,16 @@ class ServerSettings:
     """Most header fields in one request; more is answered 431 and the connection closed."""
     http_max_connections: int = 1024
     """Most HTTP connections open at once; further ones wait in the listen backlog until one closes."""
+    http_use_ssl: bool = False
+    """Serve HTTPS on --http-port (and on the metrics port) with --http-server-cert and --http-server-key."""
+    http_use_ssl_mutual: bool = False
+    """HTTPS with client certificates required, signed by --http-root-cert (implies --http-use-ssl)."""
+    http_server_cert: str = ""
+    """PEM file: the HTTPS server's certificate (chain); re-read on SIGHUP."""
+    http_server_key: str = ""
+    """PEM file: the HTTPS server's private key (unencrypted); re-read on SIGHUP."""
+    http_root_cert: str = ""
+    """PEM file: the CA certificates client certificates must be signed by (mutual TLS); re-read on SIGHUP."""
     grpc_keepalive_time_ms: int = 7_200_000
     """Triton's --grpc-keepalive-time: period of the server's keepalive pings (ms)."""
     grpc_keepalive_timeout_ms: int = 20_000
@@ -93,6 +103,17 @@ class ServerSettings:
     """Triton's --grpc-http2-max-ping-strikes: strikes before the connection is closed (0: no limit)."""
     grpc_max_concurrent_streams: int = 1024
     """Most concurrent calls (HTTP/2 streams) one gRPC connection may open."""
+    grpc_use_ssl: bool = False
+    """Triton's --grpc-use-ssl: serve gRPC over TLS with --grpc-server-cert and --grpc-server-key."""
+    grpc_use_ssl_mutual: bool = False
+    """Triton's --grpc-use-ssl-mutual: TLS with client certificates required, signed by --grpc-root-cert
+    (overrides --grpc-use-ssl)."""
+    grpc_server_cert: str = ""
+    """Triton's --grpc-server-cert: PEM file of the server's certificate (chain); re-read on SIGHUP."""
+    grpc_server_key: str = ""
+    """Triton's --grpc-server-key: PEM file of the server's private key (unencrypted); re-read on SIGHUP."""
+    grpc_root_cert: str = ""
+    """Triton's --grpc-root-cert: PEM file of the CA certificates client certificates must be signed by."""
     exit_timeout_secs: float = 30.0
     """Triton's --exit-timeout-secs: on SIGTERM, how long in-flight requests and streams get to finish."""
     server_id: str = "geserve"

@@ -1,4 +1,7 @@
-"""The Prometheus endpoint: `GET /metrics` on --metrics-port, a tiny ASGI app on the server's own event loop."""
+"""The Prometheus endpoint: `GET /metrics` on --metrics-port, a tiny ASGI app on the server's own event loop.
+
+Over HTTPS when the HTTP endpoint is (it follows the --http-use-ssl* settings, mutual TLS included: a scraper then
+presents a client certificate), with its certificate re-read by `reload_tls` as HTTP's is."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
+from geserve.frontends.tls import ServerTls, TlsFiles
 from geserve.metrics import CONTENT_TYPE, render
 from geserve.metrics.system import CpuSampler
 
@@ -58,6 +62,8 @@ class MetricsOptions:
     address: str = "0.0.0.0"
     port: int = 8002
     interval_ms: float = 2000.0
+    tls: TlsFiles | None = None
+    """HTTPS (the HTTP endpoint's TLS files); None: plain HTTP."""
 
 
 class MetricsService:
@@ -74,13 +80,14 @@ class MetricsService:
         self._http: NativeHttpServer | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self._tls = ServerTls(options.tls, "metrics") if options.tls is not None else None
 
     async def start(self) -> None:
         """Bind the endpoint; as in Triton, a port that cannot be bound stops the server from starting."""
         address, port = self.options.address, self.options.port
         if self._cpu is not None:
             self._cpu.sample()  # before the first scrape can arrive
-        http = NativeHttpServer(MetricsApp(self.registry), address, port, _MAX_BODY, _LIMITS)
+        http = NativeHttpServer(MetricsApp(self.registry), address, port, _MAX_BODY, _LIMITS, self._tls)
         task = asyncio.create_task(http.serve(), name="metrics-http")
         while not http.started and not task.done():
             await asyncio.sleep(0.01)
@@ -89,7 +96,16 @@ class MetricsService:
         self._http, self._http_task = http, task
         if self._cpu is not None:
             self._sampler = asyncio.create_task(self._sample_cpu(), name="metrics-cpu-sampler")
-        logger.info("started Metrics Service at %s:%d", address, port)
+        logger.info("started Metrics Service at %s:%d%s", address, port, " (HTTPS)" if self._tls else "")
+
+    @property
+    def serves_tls(self) -> bool:
+        return self._tls is not None
+
+    def reload_tls(self) -> None:
+        """Re-read the certificate, key and root files: new scrapes' connections get them."""
+        if self._tls is not None:
+            self._tls.reload()
 
     async def _sample_cpu(self) -> None:
         interval = max(self.options.interval_ms, 1.0) / 1000.0

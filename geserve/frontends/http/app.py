@@ -302,7 +302,11 @@ class HttpFrontend:
 def _context(scope: Scope) -> CallContext:
     client = scope.get("client")
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-    return CallContext(Transport.HTTP, f"{client[0]}:{client[1]}" if client else "", headers)
+    context = CallContext(Transport.HTTP, f"{client[0]}:{client[1]}" if client else "", headers)
+    extensions = scope.get("extensions")
+    if extensions is not None and "tls" in extensions:  # HTTPS; under mutual TLS, the verified client certificate
+        context.peer_certificate_subject = extensions["tls"].get("client_cert_name")
+    return context
 
 
 def _header_length(headers: dict[bytes, bytes], body_size: int) -> int | None:

@@ -1,4 +1,5 @@
-"""Runs the HTTP ASGI app inside the server's own event loop: on geserve's native server, or on uvicorn."""
+"""Runs the HTTP ASGI app inside the server's own event loop: on geserve's native server, or on uvicorn; over
+HTTPS when given TLS files (frontends/tls.py), with the certificate re-read by `reload_tls`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
+from geserve.frontends.tls import ServerTls, TlsFiles, asgi_tls_extension
 
 HTTP_SERVERS = ("native", "uvicorn")
 logger = logging.getLogger(__name__)
@@ -28,13 +32,32 @@ class _EmbeddedUvicorn(uvicorn.Server):
         return
 
 
+class _TlsHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, adding the ASGI TLS extension (the client certificate's subject under mutual
+    TLS) to every request's scope; uvicorn itself gives none. Made once per connection, after the handshake."""
+
+    mutual = False
+    _extensions: dict[str, Any]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._extensions = {"tls": asgi_tls_extension(transport, self.mutual)}
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = self._extensions
+
+
 def create_http_server(
     app: HttpFrontend, host: str, port: int, log_verbose: int, kind: str, max_body_size: int,
-    limits: HttpLimits | None = None,
+    limits: HttpLimits | None = None, tls: ServerTls | None = None,
 ) -> NativeHttpServer | uvicorn.Server:
     limits = limits or HttpLimits()
     if kind == "native":
-        return NativeHttpServer(app, host, port, max_body_size, limits)
+        return NativeHttpServer(app, host, port, max_body_size, limits, tls)
+    http: str | type[HttpToolsProtocol] = "httptools"
+    if tls is not None:
+        http = type("TlsHttpToolsProtocol", (_TlsHttpToolsProtocol,), {"mutual": tls.mutual})
     # uvicorn takes two of the limits: the idle keep-alive timeout, and a cap on connections plus requests (it
     # answers 503 beyond it, where the native server leaves connections in the backlog). Its httptools protocol
     # has no header or body timeouts and no header size or count limits; h11_max_incomplete_event_size is set
@@ -43,7 +66,7 @@ def create_http_server(
         app,
         host=host,
         port=port,
-        http="httptools",
+        http=http,
         loop="none",
         lifespan="off",
         access_log=log_verbose > 1,
@@ -57,7 +80,17 @@ def create_http_server(
         date_header=False,
         backlog=2048,
     )
+    if tls is not None:
+        # uvicorn hands one SSLContext to loop.create_server for good: the fixed context moves each new
+        # connection onto the current one (ServerTls.fixed_context), so reloads reach uvicorn too. Loaded here so
+        # that serve() keeps this context (it loads only a config not loaded yet).
+        config.load()
+        config.ssl = tls.fixed_context()
     return _EmbeddedUvicorn(config)
+
+
+def _tls_note(tls: ServerTls | None) -> str:
+    return "" if tls is None else " (HTTPS, mutual TLS)" if tls.mutual else " (HTTPS)"
 
 
 class HttpService:
@@ -67,10 +100,11 @@ class HttpService:
 
     def __init__(
         self, app: HttpFrontend, host: str, port: int, *, log_verbose: int = 0, kind: str = "native",
-        max_body_size: int, limits: HttpLimits | None = None,
+        max_body_size: int, limits: HttpLimits | None = None, tls: TlsFiles | None = None,
     ) -> None:
         self._host, self._port = host, port
-        self._server = create_http_server(app, host, port, log_verbose, kind, max_body_size, limits)
+        self._tls = ServerTls(tls, "http") if tls is not None else None
+        self._server = create_http_server(app, host, port, log_verbose, kind, max_body_size, limits, self._tls)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -80,7 +114,16 @@ class HttpService:
                 self._task.result()
                 raise OSError(f"failed to start the HTTP service on port {self._port}")
             await asyncio.sleep(0.01)
-        logger.info("started HTTPService at %s:%d", self._host, self._port)
+        logger.info("started HTTPService at %s:%d%s", self._host, self._port, _tls_note(self._tls))
+
+    @property
+    def serves_tls(self) -> bool:
+        return self._tls is not None
+
+    def reload_tls(self) -> None:
+        """Re-read the certificate, key and root files: new connections get them, open ones keep theirs."""
+        if self._tls is not None:
+            self._tls.reload()
 
     async def stop(self) -> None:
         if self._task is not None:
