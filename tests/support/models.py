@@ -405,3 +405,34 @@ sequence_batching {{
 }}
 """)
     return model_dir
+
+
+def silero_vad(repo: Path, name: str = "silero_vad", strategy: str = "oldest { max_candidate_sequences: 4 }") -> Path:
+    """Silero VAD as shipped by the `silero-vad` package (`silero_vad_16k_op15.onnx`, unchanged) as a sequence model:
+    its recurrent `state` / `stateN` [2, 1, 128] kept by the server between a stream's chunks (implicit state, zero
+    at START). Not batching (its state carries the batch on its second axis), so `oldest` interleaves several
+    streams on one instance. `sr` is the scalar sample rate, sent as [1] and reshaped."""
+    import silero_vad as package
+
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(package.__file__).parent / "data" / "silero_vad_16k_op15.onnx", model_dir / "1" / "model.onnx")
+    (model_dir / "config.pbtxt").write_text(f"""
+name: "{name}"
+backend: "onnxruntime"
+max_batch_size: 0
+input [
+  {{ name: "input" data_type: TYPE_FP32 dims: [ 1, -1 ] }},
+  {{ name: "sr" data_type: TYPE_INT64 dims: [ 1 ] reshape: {{ shape: [ ] }} }}
+]
+output [ {{ name: "output" data_type: TYPE_FP32 dims: [ 1, 1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+sequence_batching {{
+  {strategy}
+  state [ {{
+    input_name: "state" output_name: "stateN" data_type: TYPE_FP32 dims: [ 2, 1, 128 ]
+    initial_state {{ data_type: TYPE_FP32 dims: [ 2, 1, 128 ] zero_data: true name: "silence" }}
+  }} ]
+}}
+""")
+    return model_dir
