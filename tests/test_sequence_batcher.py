@@ -228,8 +228,6 @@ def test_triton_errors_for_requests_outside_a_sequence() -> None:
 
 
 def test_an_idle_sequence_loses_its_slot_to_the_backlog() -> None:
-    text = config_text(max_batch_size=1, idle_us=200_000)  # one slot: a second sequence waits in the backlog
-
     async def body(batcher: SequenceBatcher, fakes: list[Accumulator], _: ModelStatistics) -> None:
         assert value(await batcher.enqueue(make_request(1, 1, start=True))) == 1
         started = time.monotonic()
@@ -242,8 +240,7 @@ def test_an_idle_sequence_loses_its_slot_to_the_backlog() -> None:
             await batcher.enqueue(make_request(1, 1))
         assert value(await batcher.enqueue(make_request(1, 2, end=True))) == 8
 
-    run_batcher(body, config_text(max_batch_size=1, idle_us=200_000))
-    del text
+    run_batcher(body, config_text(max_batch_size=1, idle_us=200_000))  # one slot: the second sequence waits
 
 
 def test_a_backlogged_sequence_runs_whole_once_a_slot_frees() -> None:
