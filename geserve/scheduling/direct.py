@@ -1,4 +1,8 @@
-"""The direct scheduler: every request runs alone on the first free instance, no batching."""
+"""The direct scheduler: every request runs alone on the first free instance, no batching.
+
+A caller cancelled while it waits for an instance leaves the pool's wait list (`InstancePool.acquire`): its request
+never runs. One cancelled while running finishes on its instance, counted as an execution; its result is dropped.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ A batch is formed when an instance is free: it takes queued requests in priority
 the first one's, up to the row limit. It goes at once when it reaches a preferred size (or the limit); else
 it waits until the oldest request has waited `max_queue_delay`. With batch gears, a batch is cut to a gear
 or padded up to the next one, and the padding is sliced off the outputs.
+
+A caller that is cancelled while its request waits (the client went away) takes the request out of the queue: it
+never runs. One already in a batch runs to the end with the others, and its result is dropped. A request that is
+not cancelled pays nothing for this: an `except` clause around the await costs nothing until it catches.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geserve.config import ModelConfig
-from geserve.errors import InvalidArgumentError, UnavailableError
+from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.pool import InstancePool, Worker, execution_failed
 from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy, ShapeKey
@@ -26,6 +30,7 @@ from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
 
 logger = logging.getLogger(__name__)
+_CANCELLED = "the request was cancelled while it was queued"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +156,19 @@ class DynamicBatcher:
         self._queue.push(pending, level)  # raises at once when the level's queue is full
         self._sequence += 1
         self._arrived.set()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(pending)
+            raise
+
+    def _cancel(self, pending: Pending) -> None:
+        """The caller of a queued request was cancelled (its future with it): take the request out if it still
+        waits. One taken into a batch already runs with it (`_dispatch` drops it if the batch has not started)."""
+        pending.request.cancelled = True  # a model running it may poll this (a Python model's is_cancelled())
+        if self._queue.discard(pending):
+            self._complete(pending, CancelledError(_CANCELLED))  # preserve_ordering: its turn passes on
+            self._arrived.set()  # the batch being formed may be due now, or have nothing left to wait for
 
     def _can_bypass_queue(self) -> bool:
         """Nothing to wait for and nothing to batch with: skip the batcher task's hop (no added latency)."""
@@ -273,6 +290,15 @@ class DynamicBatcher:
     # ---- execution -----------------------------------------------------------------------------
 
     async def _dispatch(self, worker: Worker, batch: list[Pending]) -> None:
+        live = [p for p in batch if not p.future.cancelled()]
+        if len(live) < len(batch):  # cancelled between being taken and this task's start: they never run
+            for pending in batch:
+                if pending.future.cancelled():
+                    self._complete(pending, CancelledError(_CANCELLED))
+            if not live:
+                self._pool.release(worker)
+                return
+            batch = live
         self._executing += len(batch)
         requests = [p.request for p in batch]
         rows = sum(p.rows for p in batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -84,6 +85,8 @@ class InstancePool:
         self._free: list[Worker] = list(reversed(self._workers))
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
         self._typical_ns = 0  # moving average of one execution; decides where the next one runs
+        # Batches still running whose caller was cancelled: how each is counted once it finishes (`_finish`).
+        self._orphans: dict[asyncio.Future[Execution], Callable[[Execution], Results]] = {}
         self.inline_below_ns = inline_below_us * 1000
 
     @property
@@ -130,7 +133,29 @@ class InstancePool:
             loop = asyncio.get_running_loop()
             done: asyncio.Future[Execution] = loop.create_future()
             worker.jobs.put((requests, done, loop))
-            execution = await done
+            try:
+                execution = await done
+            except asyncio.CancelledError:
+                # The caller went away (a cancelled request) while the batch runs: it runs to its end all the same,
+                # and is counted then (`_finish`), as every execution is.
+                account = functools.partial(self._account, requests, started, enqueued_ns, padding_rows, null_requests)
+                if done.cancelled():
+                    self._orphans[done] = account
+                elif done.exception() is None:  # it had finished, and the cancellation came before the result
+                    account(done.result())
+                raise
+        return self._account(requests, started, enqueued_ns, padding_rows, null_requests, execution)
+
+    def _account(
+        self,
+        requests: list[InferenceRequest],
+        started: int,
+        enqueued_ns: list[int],
+        padding_rows: int,
+        null_requests: int,
+        execution: Execution,
+    ) -> Results:
+        """Record one finished execution in the statistics and the requests' compute times; its results."""
         compute = execution.compute
         total = compute.input_ns + compute.infer_ns + compute.output_ns
         self._typical_ns = total if not self._typical_ns else (7 * self._typical_ns + total) // 8
@@ -186,7 +211,10 @@ class InstancePool:
     def _finish(self, worker: Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException) -> None:
         """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
         self.release(worker)
-        if done.done():
+        if done.done():  # its caller was cancelled (`run`): the execution is counted all the same
+            account = self._orphans.pop(done, None)
+            if account is not None and not isinstance(outcome, BaseException):
+                account(outcome)
             return
         if isinstance(outcome, BaseException):
             done.set_exception(outcome)

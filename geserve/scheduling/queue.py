@@ -109,6 +109,19 @@ class PriorityQueue:
         self.size -= len(taken)
         self.rows -= sum(p.rows for p in taken)
 
+    def discard(self, pending: Pending) -> bool:
+        """Take out one request wherever it waits (its caller was cancelled); False when it is not queued (any more).
+        A linear search: only a cancellation pays it."""
+        for queue in (*self._queues.values(), self._delayed):
+            try:
+                queue.remove(pending)  # Pending compares by identity (eq=False)
+            except ValueError:
+                continue
+            self.size -= 1
+            self.rows -= pending.rows
+            return True
+        return False
+
     def expire(self, now_ns: int) -> tuple[list[Pending], int]:
         """Apply timeouts: return the requests rejected now, and the next deadline still pending (0: none)."""
         rejected: list[Pending] = []

@@ -7,6 +7,10 @@ the instances), or waits in the backlog until a sequence ends; every later reque
 idle for `max_sequence_idle_microseconds` loses its slot (the reaper), and a request that names no live sequence
 without START is refused. How each instance batches its slots is the strategy's (scheduling/sequence_strategies.py).
 
+A cancelled request (its caller went away) ends its sequence, as in Triton: the sequence's requests still waiting
+are answered CANCELLED and never run, one already running finishes (its result dropped), and the slot is released
+once nothing of the sequence runs; a later request of that id needs a START.
+
 Everything runs on the event loop, with one task per instance and the reaper; when any of them dies, every request
 still held fails with the reason rather than waiting forever.
 """
@@ -19,13 +23,13 @@ import heapq
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from geserve.config import ModelConfig
 from geserve.config.sequence import SequenceSettings, is_sequence_model
-from geserve.errors import InvalidArgumentError, UnavailableError
+from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.pool import InstancePool
 from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
 from geserve.scheduling.sequence_requests import SequenceId, SequenceInputs, sequence_id
@@ -133,7 +137,11 @@ class SequenceBatcher:
                 self._fail(exc)
         else:
             self._to_backlog(pending, backlog, now)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(pending)
+            raise
 
     def _check_id_type(self, corrid: SequenceId) -> None:
         """The id's type must be the one the model's CORRID control takes (Triton does not check, and copies the
@@ -202,6 +210,70 @@ class SequenceBatcher:
         self._outstanding -= 1
         if not self._outstanding:
             self._drained.set()
+
+    # ---- cancellation -----------------------------------------------------------------------------------------
+
+    def _cancel(self, pending: Pending) -> None:
+        """The caller of `pending` was cancelled: Triton cancels the sequence's other pending requests too, and the
+        sequence ends (see the module docstring). Only a cancellation pays for the search."""
+        pending.request.cancelled = True
+        error = CancelledError(f"a request of sequence {pending.corrid} was cancelled: the sequence has ended")
+        for backlog in self._backlogs:
+            if pending in backlog.requests:
+                self._cancel_in_backlog(backlog, pending, error)
+                return
+        for runner in self._runners:
+            for slot in runner.slots:
+                if pending in slot.queue:
+                    self._end_in_slot(slot, slot.queue.index(pending), pending, error)
+                    return
+            item = runner.withdraw(pending)
+            if item is not None:  # taken from its slot, not yet in a batch: it never runs
+                self._answer(pending, error)
+                self._end_in_slot(item.slot, None, pending, error)
+                runner.resume(item.slot)
+                return
+            for item in runner.executing:
+                if item.pending is pending:
+                    item.request.cancelled = True  # the copy its instance runs: what a Python model polls
+                    self._end_in_slot(item.slot, None, pending, error)
+                    return
+
+    def _cancel_in_backlog(self, backlog: _Backlog, pending: Pending, error: CancelledError) -> None:
+        requests = backlog.requests
+        lo, hi = _sequence_span(requests, requests.index(pending), pending.corrid)
+        if hi == len(requests) and self._backlog_of.get(pending.corrid) is backlog:
+            del self._backlog_of[pending.corrid]  # a later request of this id needs a START
+        removed = [requests[i] for i in range(lo, hi)]
+        for _ in removed:
+            del requests[lo]
+        if requests:
+            timeouts = [p.enqueued_ns + p.request.timeout_us * 1000 for p in requests if p.request.timeout_us]
+            backlog.expires_ns = min(timeouts, default=0)
+        else:
+            self._backlogs.remove(backlog)
+        for cancelled in removed:
+            self._answer(cancelled, error)
+
+    def _end_in_slot(self, slot: Slot, index: int | None, pending: Pending, error: CancelledError) -> None:
+        """Cancel the requests of `pending`'s sequence waiting in `slot` (around `index`, or at the front when
+        `pending` already left the queue) and end the sequence: the reaper's mark releases the slot after whatever of
+        the sequence still runs."""
+        queue = slot.queue
+        corrid = pending.corrid
+        lo, hi = _sequence_span(queue, index, corrid)
+        at_tail = hi == len(queue)
+        removed = [entry for entry in (queue[i] for i in range(lo, hi)) if entry is not None]
+        for _ in range(hi - lo):
+            del queue[lo]
+        released_by_end = any(entry.end for entry in removed)  # its END is gone: the mark must release the slot
+        still_open = at_tail and not pending.end and not released_by_end and self._assigned.get(corrid) is slot
+        if still_open:
+            del self._assigned[corrid]  # a later request of this id needs a START
+        for cancelled in removed:
+            self._answer(cancelled, error)
+        if released_by_end or still_open:
+            slot.runner.enqueue(slot, FORCE_END)
 
     # ---- the reaper --------------------------------------------------------------------------------------------
 
@@ -282,6 +354,26 @@ class SequenceBatcher:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.pool.close)
+
+
+def _sequence_span(entries: Sequence[Pending | None], index: int | None, corrid: SequenceId) -> tuple[int, int]:
+    """Where the waiting requests of one sequence lie in a slot's queue or a backlog: around `index`, back to the
+    sequence's START and on to its END (a queue may also hold a restarted sequence of the same id, or the reaper's
+    mark); with `index` None (a request of it left the queue), the requests at the front that continue it."""
+    lo = hi = 0
+    if index is not None:
+        lo, hi = index, index + 1
+        while lo > 0:
+            current, before = entries[lo], entries[lo - 1]
+            if current is None or current.start or before is None or before.corrid != corrid or before.end:
+                break
+            lo -= 1
+    while hi < len(entries):
+        after, last = entries[hi], entries[hi - 1] if hi > lo else None
+        if after is None or after.corrid != corrid or after.start or (last is not None and last.end):
+            break
+        hi += 1
+    return lo, hi
 
 
 def _serves(config: ModelConfig) -> bool:

@@ -66,6 +66,8 @@ EXTENSIONS = [
     "logging",
 ]
 # How Triton refuses a decoupled model on a call that can carry one response only.
+# What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
+_CANCELLED = CancelledError("the request was cancelled: its client went away")
 _DECOUPLED_REFUSAL = {
     Transport.HTTP: "HTTP end point doesn't support models with decoupled transaction policy",
     Transport.GRPC: "ModelInfer RPC doesn't support models with decoupled transaction policy",
@@ -305,7 +307,10 @@ class InferenceService:
         finally:
             if not read_final:
                 stream.cancelled = True  # the reader left early: the model's senders see is_cancelled()
+                request.cancelled = True
                 error = CancelledError("the client stopped reading the responses")
+                # A request still queued leaves its scheduler and never runs; one running finishes, unread.
+                execution.cancel()
             elapsed = time.monotonic_ns() - started
             if error is None:
                 model.statistics.record_success(elapsed)
@@ -336,12 +341,23 @@ class InferenceService:
 
     async def _execute(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
         """The model's answer: from the response cache for a model that uses it (decided at load, so any other model
-        pays this one attribute test), else from its scheduler (`_run`)."""
-        if model.response_cache:
-            cache = self.response_cache
-            if cache is not None:
-                return await cache.execute(model, request, started, self._run)
-        return await self._run(model, request, started)
+        pays this one attribute test), else from its scheduler (`_run`).
+
+        A cancelled call (the gRPC client cancelled, the HTTP client disconnected, the ensemble it is a step of was
+        cancelled) arrives here as asyncio.CancelledError, a BaseException that `_run` does not count: it is counted
+        here, once, as CANCELED. The scheduler it was awaiting has already taken a queued request out (it never runs)
+        or left an executing one to finish its batch (its result is dropped); the request's flag tells a model that
+        polls it."""
+        try:
+            if model.response_cache:
+                cache = self.response_cache
+                if cache is not None:
+                    return await cache.execute(model, request, started, self._run)
+            return await self._run(model, request, started)
+        except asyncio.CancelledError:
+            request.cancelled = True
+            model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
+            raise
 
     @staticmethod
     async def _run(model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
@@ -538,7 +554,8 @@ class ModelHost:
 def _fail_unfinished(stream: ResponseStream, execution: asyncio.Future[InferenceResponse]) -> None:
     """A request the scheduler failed (timeout, unload, a crashed execution) ends its stream with the error."""
     if execution.cancelled():
-        stream.fail(UnavailableError("the request was cancelled before its model answered"))
+        if not stream.cancelled:  # else its reader left (and cancelled it): the model's later sends are dropped
+            stream.fail(UnavailableError("the request was cancelled before its model answered"))
         return
     error = execution.exception()
     if error is not None:

@@ -59,3 +59,8 @@ class InferenceRequest:
     # certificate's subject under mutual TLS); None when nothing authenticated the caller. Python models read it
     # as `request.identity()`; it is never taken from the request itself, so a client cannot claim one.
     identity: str | None = None
+    # Set by the service when the call awaiting this request is cancelled (a gRPC client cancelled, an HTTP client
+    # disconnected, an ensemble's request was cancelled): a request still queued leaves its scheduler, and a model
+    # already running it can poll this (a Python model's `request.is_cancelled()`) to stop early. Read from model
+    # threads without a lock: it only ever turns True.
+    cancelled: bool = False

@@ -144,6 +144,7 @@ class InferenceResponseSender:
         self._abandon = abandon
         self._cancelled = cancelled
         self._closed = False
+        self._request: CoreRequest | None = None  # the request it answers, whose client may have gone away
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         if self._closed:
@@ -159,7 +160,9 @@ class InferenceResponseSender:
         self._deliver(response, final)
 
     def is_cancelled(self) -> bool:
-        return self._cancelled()
+        """Triton's: True once the request's client went away (cancelled, disconnected, stopped reading)."""
+        request = self._request
+        return (request is not None and request.cancelled) or self._cancelled()
 
     def _close(self) -> None:
         self._closed = True
@@ -200,6 +203,7 @@ class InferenceRequest:
         self._sender: InferenceResponseSender | None = None
         self._make_sender: Callable[[], InferenceResponseSender] | None = None
         self._identity: str | None = None
+        self._core: CoreRequest | None = None  # the server's request behind one given to execute()
 
     # ---- what a model reads -------------------------------------------------------------------------
 
@@ -237,6 +241,11 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def is_cancelled(self) -> bool:
+        """Triton's: True once the request's client went away (a gRPC cancel, an HTTP disconnect, a stream's reader
+        that left), so that a long `execute` can stop early; always False for a request a model builds (BLS)."""
+        core = self._core
+        if core is not None and core.cancelled:
+            return True
         return self._sender.is_cancelled() if self._sender is not None else False
 
     def identity(self) -> str | None:
@@ -250,6 +259,7 @@ class InferenceRequest:
             if self._make_sender is None:
                 raise TritonModelException("only a request given to execute() has a response sender")
             self._sender = self._make_sender()
+            self._sender._request = self._core
         return self._sender
 
     # ---- BLS ----------------------------------------------------------------------------------------
@@ -341,6 +351,7 @@ class InferenceRequest:
         wrapped._sender = None
         wrapped._make_sender = make_sender
         wrapped._identity = request.identity
+        wrapped._core = request
         return wrapped
 
 

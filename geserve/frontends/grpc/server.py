@@ -240,6 +240,8 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await context.abort(GRPC_STATUS[item.code], item.message)
                 await context.write(item)
         finally:
+            # The call is over (the client cancelled it, or it ended): the requests still under way are cancelled,
+            # so queued ones leave their schedulers (counted CANCELED) instead of running for nobody.
             reader.cancel()
             for task in list(tasks):
                 task.cancel()

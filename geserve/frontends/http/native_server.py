@@ -129,6 +129,9 @@ class _Connection(asyncio.Protocol):
         self._server.release(self)
         self._closing = True
         if self._worker is not None and not self._worker.done():
+            # The client went away with a request under way: cancelling the connection's one task cancels the
+            # service call it awaits (a queued request leaves its scheduler, counted CANCELED), and nothing is written.
+            # No per-request watcher: the ASGI receive channel would need a second task per request to notice this.
             self._worker.cancel()
 
     def data_received(self, data: bytes) -> None:
