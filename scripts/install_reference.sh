@@ -2,7 +2,9 @@
 # Installs the reference systems geserve is compared against (see DESIGN.md "Reference systems"):
 #   * perf_analyzer from the main .venv (tritonclient 2.41.0 wheel): needs Debian's libb64-0d;
 #   * the real NVIDIA tritonserver binary from nvidia-pytriton 0.7.0, in its own venv .venv-ref
-#     (pytriton wants numpy<2 and tritonclient~=2.50, which clash with the main venv).
+#     (pytriton wants numpy<2 and tritonclient~=2.50, which clash with the main venv);
+#   * espeak-ng and sox from Debian, which make the speech recording of the Silero VAD test
+#     (tests/test_vad_speech.py) and bench/vad_bench.py; that test skips without them.
 # Idempotent; a second run only checks. Run from anywhere: paths are relative to the repo root.
 set -euo pipefail
 
@@ -32,6 +34,14 @@ apt_install() {
 # in .venv; tests/support/reference.py puts it on LD_LIBRARY_PATH).
 if ! ldconfig -p | grep -q 'libb64\.so\.0d'; then
     apt_install libb64-0d
+fi
+# espeak-ng and sox: not fatal when they cannot be installed (the speech test then skips, saying why).
+missing_tools=()
+for tool in espeak-ng sox; do
+    command -v "$tool" >/dev/null 2>&1 || missing_tools+=("$tool")
+done
+if [ "${#missing_tools[@]}" -gt 0 ]; then
+    apt_install "${missing_tools[@]}" || log "could not install ${missing_tools[*]}: the VAD speech test will skip"
 fi
 
 # (b) tritonserver in .venv-ref.
