@@ -122,6 +122,7 @@ def main() -> int:
     samples: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
     counted: dict[str, dict[str, int]] = {case: dict.fromkeys(("hits", "hit_ns", "misses", "miss_ns",
                                                               "executions"), 0) for case in CASES}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="cache_bench_") as scratch:
         repo = _repository(Path(scratch) / "models")
         images = str(_distinct_images(Path(scratch) / "images.json"))
@@ -143,6 +144,8 @@ def main() -> int:
                         counted[case][key] += after[key] - before[key]
                     print(f"round {index + 1} {case}: p50 {samples[case][-1]['p50_us']:.0f} us, "
                           f"{samples[case][-1]['throughput']:.1f} infer/s", flush=True)
+
+    load_after = os.getloadavg()[0]
 
     def med(case: str, key: str) -> float:
         return statistics.median(s[key] for s in samples[case])
@@ -187,10 +190,13 @@ def main() -> int:
         f"is larger than that\n"
         f"- `--cache-config local,size={cache_size}`: room for one ResNet-50 answer ({one} bytes counted), so the "
         f"miss case, cycling through {IMAGES} images, evicts on every request and never hits\n"
+        f"- the hit case's misses: its first request of a round after the miss case, which evicted that image's "
+        f"answer\n"
         f"- unsettled runs: perf_analyzer found no window within 25% of the others in 10 tries (a busy machine) "
         f"and was run again over a window three times as long, accepting its spread\n"
         f"- geserve {__version__}, numpy {np.__version__}, Python {platform.python_version()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs; other processes may have shared the machine\n"
+        f"{platform.machine()}, {os.cpu_count()} CPUs; load average {load_before:.1f} before the run and "
+        f"{load_after:.1f} after it (other processes shared the machine when it is above the CPU count)\n"
         + "".join(f"- {case}: `{commands[case]}`\n" for case in CASES)
     )
     print(f"written to {report.relative_to(ROOT)}")
