@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
-from geserve.frontends.tls import ServerTls, TlsFiles
+from geserve.frontends.tls import ServerTls, TlsEndpoint, TlsFiles
 from geserve.metrics import CONTENT_TYPE, render
 from geserve.metrics.system import CpuSampler
 
@@ -66,10 +66,12 @@ class MetricsOptions:
     """HTTPS (the HTTP endpoint's TLS files); None: plain HTTP."""
 
 
-class MetricsService:
+class MetricsService(TlsEndpoint):
     """The endpoint over the server's registry, and the CPU sampler on its interval; a frontend of the server.
 
     The registry (geserve.metrics.collector) reads the models at scrape time; `cpu` is the sampler it reads."""
+
+    _tls: ServerTls | None
 
     name = "metrics"
 
@@ -97,15 +99,6 @@ class MetricsService:
         if self._cpu is not None:
             self._sampler = asyncio.create_task(self._sample_cpu(), name="metrics-cpu-sampler")
         logger.info("started Metrics Service at %s:%d%s", address, port, " (HTTPS)" if self._tls else "")
-
-    @property
-    def serves_tls(self) -> bool:
-        return self._tls is not None
-
-    def reload_tls(self) -> None:
-        """Re-read the certificate, key and root files: new scrapes' connections get them."""
-        if self._tls is not None:
-            self._tls.reload()
 
     async def _sample_cpu(self) -> None:
         interval = max(self.options.interval_ms, 1.0) / 1000.0

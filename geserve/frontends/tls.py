@@ -252,3 +252,18 @@ class GrpcTls:
 
 def _reason(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+class TlsEndpoint:
+    """What a frontend that may serve TLS shares: whether it does, and re-reading its files on SIGHUP (new
+    handshakes use them; open connections keep theirs). Satisfies ReloadsTls."""
+
+    _tls: ServerTls | GrpcTls | None = None
+
+    @property
+    def serves_tls(self) -> bool:
+        return self._tls is not None
+
+    def reload_tls(self) -> None:
+        if self._tls is not None:
+            self._tls.reload()

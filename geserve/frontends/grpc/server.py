@@ -18,7 +18,7 @@ from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
-from geserve.frontends.tls import GrpcTls, TlsFiles, grpc_peer_subject
+from geserve.frontends.tls import GrpcTls, TlsEndpoint, TlsFiles, grpc_peer_subject
 from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
@@ -331,8 +331,10 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return convert.to_log_settings_response(self._service.log_settings(changes, call_context(context)))
 
 
-class GrpcServer:
+class GrpcServer(TlsEndpoint):
     """inference.GRPCInferenceService and grpc.health.v1.Health on one grpc.aio server, on the running loop."""
+
+    _tls: GrpcTls | None
 
     name = "grpc"
 
@@ -369,15 +371,6 @@ class GrpcServer:
             global _verifies_clients
             _verifies_clients = True
         logger.info("started GRPCInferenceService at %s%s", self.target, _tls_note(self._tls))
-
-    @property
-    def serves_tls(self) -> bool:
-        return self._tls is not None
-
-    def reload_tls(self) -> None:
-        """Re-read the certificate, key and root files: the next handshakes use them, open connections keep theirs."""
-        if self._tls is not None:
-            self._tls.reload()
 
     async def stop(self, grace: float | None = 1.0) -> None:
         if self._server is not None:

@@ -15,7 +15,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
-from geserve.frontends.tls import ServerTls, TlsFiles, asgi_tls_extension
+from geserve.frontends.tls import ServerTls, TlsEndpoint, TlsFiles, asgi_tls_extension
 
 HTTP_SERVERS = ("native", "uvicorn")
 logger = logging.getLogger(__name__)
@@ -93,8 +93,10 @@ def _tls_note(tls: ServerTls | None) -> str:
     return "" if tls is None else " (HTTPS, mutual TLS)" if tls.mutual else " (HTTPS)"
 
 
-class HttpService:
+class HttpService(TlsEndpoint):
     """The HTTP frontend as the server runs it: the app on its HTTP server, served by a task on the loop."""
+
+    _tls: ServerTls | None
 
     name = "http"
 
@@ -115,15 +117,6 @@ class HttpService:
                 raise OSError(f"failed to start the HTTP service on port {self._port}")
             await asyncio.sleep(0.01)
         logger.info("started HTTPService at %s:%d%s", self._host, self._port, _tls_note(self._tls))
-
-    @property
-    def serves_tls(self) -> bool:
-        return self._tls is not None
-
-    def reload_tls(self) -> None:
-        """Re-read the certificate, key and root files: new connections get them, open ones keep theirs."""
-        if self._tls is not None:
-            self._tls.reload()
 
     async def stop(self) -> None:
         if self._task is not None:
