@@ -235,14 +235,17 @@ class InferenceService:
 
     # ---- inference --------------------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest, context: CallContext = IN_PROCESS) -> InferenceResponse:
-        """One request, one response; a decoupled model is refused (use `infer_stream`)."""
+    def _admit_inference(self, request: InferenceRequest, context: CallContext, action: str) -> None:
         if context.admitted is not _INFERENCE:  # else admitted by the frontend before it decoded the body
-            self.admit(ApiGroup.INFERENCE, context, "infer", request.model_name)
+            self.admit(ApiGroup.INFERENCE, context, action, request.model_name)
         if context.transport is not _IN_PROCESS:
             # From the context only: a request from outside cannot name its own caller. A call from a model (an
             # ensemble step) carries the identity of the request it serves, set by whoever made it.
             request.identity = context.caller
+
+    async def infer(self, request: InferenceRequest, context: CallContext = IN_PROCESS) -> InferenceResponse:
+        """One request, one response; a decoupled model is refused (use `infer_stream`)."""
+        self._admit_inference(request, context, "infer")
         self._enter()
         try:
             model = self._lookup(request)
@@ -261,10 +264,7 @@ class InferenceService:
     ) -> AsyncIterator[StreamResponse]:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
         model, one otherwise. Faults found before the model runs are raised; later ones come as items."""
-        if context.admitted is not _INFERENCE:
-            self.admit(ApiGroup.INFERENCE, context, "infer_stream", request.model_name)
-        if context.transport is not _IN_PROCESS:
-            request.identity = context.caller
+        self._admit_inference(request, context, "infer_stream")
         self._enter()
         try:
             model = self._lookup(request)
