@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcclient
 import tritonclient.http.aio as httpclient
@@ -21,6 +20,7 @@ from geserve import Server, ServerSettings
 from geserve.errors import UnavailableError
 from geserve.service.context import ApiGroup, CallContext, Transport
 from tests.support.reference import free_port
+from tests.support.security import simple_inputs
 
 
 class RecordingPolicy:
@@ -36,14 +36,6 @@ class RecordingPolicy:
             raise UnavailableError(f"the {group.value} API is refused by policy")
 
 
-def _simple_inputs(module: Any) -> list[Any]:
-    a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
-    for tensor in inputs:
-        tensor.set_data_from_numpy(a)
-    return inputs
-
-
 def _calls(client: Any, module: Any) -> list[tuple[ApiGroup, Callable[[], Awaitable[Any]]]]:
     """One call of each API group, and the group the service must see it under."""
     return [
@@ -53,7 +45,7 @@ def _calls(client: Any, module: Any) -> list[tuple[ApiGroup, Callable[[], Awaita
         (ApiGroup.METADATA, client.get_server_metadata),
         (ApiGroup.METADATA, lambda: client.get_model_metadata("simple")),
         (ApiGroup.MODEL_CONFIG, lambda: client.get_model_config("simple")),
-        (ApiGroup.INFERENCE, lambda: client.infer("simple", _simple_inputs(module))),
+        (ApiGroup.INFERENCE, lambda: client.infer("simple", simple_inputs(module))),
         (ApiGroup.STATISTICS, lambda: client.get_inference_statistics("simple")),
         (ApiGroup.MODEL_REPOSITORY, client.get_model_repository_index),
         (ApiGroup.SHARED_MEMORY, client.get_system_shared_memory_status),
@@ -89,7 +81,7 @@ def test_every_call_enters_through_the_service_under_its_group(good_repo: Path) 
             policy.refused = {ApiGroup.INFERENCE}
             for client, module in ((http, httpclient), (grpc, grpcclient)):
                 with pytest.raises(InferenceServerException, match="refused by policy") as refused:
-                    await client.infer("simple", _simple_inputs(module))
+                    await client.infer("simple", simple_inputs(module))
                 assert refused.value.status() in ("503", "StatusCode.UNAVAILABLE")
                 assert await client.is_server_live()  # the other groups still answer
         finally:

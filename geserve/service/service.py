@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from geserve.config import ModelConfig
 from geserve.errors import (
@@ -65,9 +65,9 @@ EXTENSIONS = [
     "trace",
     "logging",
 ]
-# How Triton refuses a decoupled model on a call that can carry one response only.
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
+# How Triton refuses a decoupled model on a call that can carry one response only.
 _DECOUPLED_REFUSAL = {
     Transport.HTTP: "HTTP end point doesn't support models with decoupled transaction policy",
     Transport.GRPC: "ModelInfer RPC doesn't support models with decoupled transaction policy",
@@ -116,15 +116,9 @@ class InferenceService:
     ) -> None:
         """Every call's first step: its policies, then the refusal of new work while shutting down. `action`,
         `model` and `region` only describe the call to the audit log."""
-        try:
-            for policy in self.policies:
-                policy.admit(group, context)
-            if not self.accepting and group in _REFUSED_WHILE_DRAINING and context.transport is not _IN_PROCESS:
-                raise UnavailableError(SHUTTING_DOWN)
-        except GeserveError as exc:
-            if self.audit is not None:
-                self.audit.refused(group, action, model, context, exc, region)
-            raise
+        self.authorize(group, context, action, model, region)
+        if not self.accepting and group in _REFUSED_WHILE_DRAINING and context.transport is not _IN_PROCESS:
+            self._refuse(UnavailableError(SHUTTING_DOWN), group, action, model, context, region)
 
     def admit_ahead(self, group: ApiGroup, context: CallContext, action: str = "", model: str = "") -> None:
         """`admit`, for a frontend that admits a call before it reads or decodes the call's body (inference: a body
@@ -135,16 +129,24 @@ class InferenceService:
         if context is not IN_PROCESS:
             context.admitted = group
 
-    def authorize(self, group: ApiGroup, context: CallContext, action: str = "") -> None:
+    def authorize(
+        self, group: ApiGroup, context: CallContext, action: str = "", model: str = "", region: str = ""
+    ) -> None:
         """The policies alone, for a frontend that must refuse before it starts reading (a gRPC stream, refused
         at its start as Triton does); each call it then makes is admitted as usual."""
         try:
             for policy in self.policies:
                 policy.admit(group, context)
         except GeserveError as exc:
-            if self.audit is not None:
-                self.audit.refused(group, action, "", context, exc)
-            raise
+            self._refuse(exc, group, action, model, context, region)
+
+    def _refuse(
+        self, error: GeserveError, group: ApiGroup, action: str, model: str, context: CallContext, region: str
+    ) -> NoReturn:
+        """Every refusal of a call goes to the audit log, then to the caller."""
+        if self.audit is not None:
+            self.audit.refused(group, action, model, context, error, region)
+        raise error
 
     def _call(
         self, group: ApiGroup, action: str, context: CallContext, model: str = "", region: str = ""
