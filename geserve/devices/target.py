@@ -1,11 +1,10 @@
-"""Device selection: which ONNX Runtime execution provider serves an instance, and how many CPU threads.
-
-CPU everywhere; CUDA and CANN (Ascend, through Graph Engine) where their execution providers exist.
-"""
+"""The execution target of one instance: ONNX Runtime's provider list for its session, most preferred first, with
+each provider's options; and the CPU thread share of an instance."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +17,24 @@ KIND_CPU = model_config_pb2.ModelInstanceGroup.KIND_CPU
 KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
 KIND_MODEL = model_config_pb2.ModelInstanceGroup.KIND_MODEL
 
+CPU_PROVIDER = "CPUExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+TENSORRT_PROVIDER = "TensorrtExecutionProvider"
+CANN_PROVIDER = "CANNExecutionProvider"
+
+# An accelerator name (execution_accelerator / --backend-config=ge,execution_accelerators=...) -> the providers that
+# run it, in ONNX Runtime's order of preference: TensorRT leaves the nodes it cannot take to CUDA, then to the CPU.
 _ACCELERATOR_PROVIDERS = {
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-    "npu": "CANNExecutionProvider",
-    "cann": "CANNExecutionProvider",
+    "cuda": (CUDA_PROVIDER,),
+    "gpu": (CUDA_PROVIDER,),
+    "tensorrt": (TENSORRT_PROVIDER, CUDA_PROVIDER),
+    "npu": (CANN_PROVIDER,),
+    "cann": (CANN_PROVIDER,),
 }
+ACCELERATORS = ("cpu", *_ACCELERATOR_PROVIDERS)
+
+ProviderOptions = Mapping[str, Mapping[str, str]]
+"""Options by provider name, device_id excepted (the placement gives it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +43,14 @@ class ExecutionTarget:
 
     device: str  # "cpu", "cuda:0", "npu:1"
     providers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda:")
+
+    @property
+    def device_id(self) -> int:
+        return int(self.device.partition(":")[2] or 0)
 
 
 def available_providers() -> list[str]:
@@ -57,30 +76,51 @@ def default_instance_kind() -> int:
 
 def _accelerator_provider() -> str | None:
     available = set(available_providers())
-    for name in ("CUDAExecutionProvider", "CANNExecutionProvider"):
+    for name in (CUDA_PROVIDER, CANN_PROVIDER):
         if name in available:
             return name
     return None
 
 
-def resolve_target(kind: int, device_id: int, accelerator: str | None = None) -> ExecutionTarget:
+def accelerator_of(kind: int, accelerator: str | None) -> str:
+    """The accelerator family an instance of `kind` runs on: "cpu", "cuda", "tensorrt" or "npu"."""
+    if accelerator in ("npu", "cann"):
+        return "npu"
+    if accelerator == "gpu":
+        return "cuda"
+    if accelerator not in (None, ""):
+        return accelerator
+    if kind != KIND_GPU:
+        return "cpu"
+    return "npu" if _accelerator_provider() == CANN_PROVIDER else "cuda"
+
+
+def resolve_target(
+    kind: int, device_id: int, accelerator: str | None = None, options: ProviderOptions | None = None
+) -> ExecutionTarget:
     """The execution target for an instance of `kind` on `device_id`.
 
-    `accelerator` names a provider family ("cuda", "npu", "tensorrt"); "cpu" or None on a CPU instance.
+    `accelerator` names a provider family ("cuda", "tensorrt", "npu"); "cpu" or None on a CPU instance, and None on
+    a GPU instance means the machine's accelerator. `options` adds each provider's own options.
     """
-    cpu: tuple[str, dict[str, Any]] = ("CPUExecutionProvider", {})
-    if kind != KIND_GPU and accelerator in (None, "", "cpu"):
+    cpu: tuple[str, dict[str, Any]] = (CPU_PROVIDER, {})
+    if accelerator and accelerator not in ACCELERATORS:
+        raise UnavailableError(
+            f"unknown execution accelerator '{accelerator}'; expected one of {', '.join(sorted(ACCELERATORS))}"
+        )
+    family = accelerator_of(kind, accelerator)
+    if family == "cpu":
         return ExecutionTarget("cpu", [cpu])
-    provider = _ACCELERATOR_PROVIDERS.get(accelerator or "") if accelerator else _accelerator_provider()
-    if accelerator and accelerator not in _ACCELERATOR_PROVIDERS and accelerator != "cpu":
+    wanted = _ACCELERATOR_PROVIDERS[family]
+    available = available_providers()
+    missing = [name for name in wanted if name not in available]
+    if missing:
+        extra = "geserve[cuda] (onnxruntime-gpu)" if family != "npu" else "onnxruntime-cann with the CANN toolkit"
         raise UnavailableError(
-            f"unknown execution accelerator '{accelerator}'; expected one of cpu, "
-            + ", ".join(sorted(_ACCELERATOR_PROVIDERS))
+            f"instance kind {model_config_pb2.ModelInstanceGroup.Kind.Name(kind)} on '{family}' needs "
+            f"{', '.join(missing)}, but this onnxruntime build only has {', '.join(available)}; install {extra}"
         )
-    if provider is None or provider not in available_providers():
-        raise UnavailableError(
-            f"instance kind {model_config_pb2.ModelInstanceGroup.Kind.Name(kind)} needs an accelerator, "
-            f"but this onnxruntime build only has {', '.join(available_providers())}"
-        )
-    prefix = "npu" if provider == "CANNExecutionProvider" else "cuda"
-    return ExecutionTarget(f"{prefix}:{device_id}", [(provider, {"device_id": device_id}), cpu])
+    given = options or {}
+    providers = [(name, {"device_id": device_id, **given.get(name, {})}) for name in wanted]
+    prefix = "npu" if family == "npu" else "cuda"
+    return ExecutionTarget(f"{prefix}:{device_id}", [*providers, cpu])
