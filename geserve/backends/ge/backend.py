@@ -10,13 +10,18 @@ import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2
 
 from geserve import devices
-from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelSource
+from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelInstance, ModelSource
 from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_overridable_inputs, read_signature
 from geserve.backends.ge.compiled import apply_gears, compile_on_load, find_package, load_graph, wants_compile
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
+from geserve.backends.ge.offline import auto_complete_om, create_om_instances, find_offline_model, is_offline_model
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
+from geserve.backends.ge.providers import configured_accelerator, provider_options
 from geserve.config import ModelConfig
 from geserve.config.sequence import sequence_inputs, sequence_outputs
+from geserve.devices.cann import gears_from_ge
+from geserve.devices.cuda import visible_gpus
+from geserve.devices.target import accelerator_of
 from geserve.errors import InvalidArgumentError, UnavailableError
 from geserve.metrics.custom import CustomMetricStore
 from geserve.types.datatypes import BY_CONFIG
@@ -37,6 +42,9 @@ def model_path(config: ModelConfig, source: ModelSource) -> Path:
     package = find_package(source.version_dir, config.default_model_filename)
     if package is not None:
         return package
+    offline = find_offline_model(source.version_dir, config.default_model_filename)
+    if offline is not None:
+        return offline
     path = source.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
     if path.is_dir():
         path = path / DEFAULT_MODEL_FILENAME
@@ -61,30 +69,53 @@ class GeBackend:
 
     def auto_complete_config(self, config: ModelConfig, source: ModelSource) -> None:
         path = model_path(config, source)
+        if is_offline_model(path):
+            auto_complete_om(config, path, self.default_max_batch_size)
+            return
         auto_complete(config, path, self.default_max_batch_size)
         apply_gears(config, path)
 
-    def create_instances(self, config: ModelConfig, source: ModelSource) -> list[GeInstance]:
+    def create_instances(self, config: ModelConfig, source: ModelSource) -> list[ModelInstance]:
         options = parse_ge_options(config)
         self._warn_ignored(config, options.ignored)
         if options.accelerator is None and "execution_accelerators" in self._settings.values:
             options.accelerator = self._settings.values["execution_accelerators"].strip().lower() or None
         path = model_path(config, source)
+        if is_offline_model(path):
+            return create_om_instances(config, path, options)
         apply_gears(config, path)
         layout = _layout(config, path)
         graph = load_graph(path, self._settings.values.get("model-key-file"))
-        placements = _placements(config, options)
+        configured = configured_accelerator(config)
+
+        def accelerator(kind: int) -> str | None:  # Triton's TensorRT accelerator applies to GPU instances only
+            return options.accelerator or (configured if kind == devices.KIND_GPU else None)
+
+        gpu_groups = [g for g in config.instance_group if g.kind == devices.KIND_GPU]
+        on_cuda = any(accelerator_of(g.kind, accelerator(g.kind)) in ("cuda", "tensorrt") for g in gpu_groups)
+        placements = devices.placements(
+            config.instance_group, options.device_ids, options.instance_exec_blocks, options.device_exec_blocks,
+            visible_gpus() if on_cuda else None, config.name,
+        )
         threads = options.intra_op_threads or devices.threads_per_instance(len(placements))
+        by_family: dict[str, dict[str, dict[str, str]]] = {}  # provider options, built once per family
         instances: list[GeInstance] = []
-        for name, kind, device_id in placements:
-            target = devices.resolve_target(kind, device_id, options.accelerator)
+        for placement in placements:
+            family = accelerator_of(placement.kind, accelerator(placement.kind))
+            if family not in by_family:
+                by_family[family] = provider_options(config, options, family, path, graph)
+                if family == "npu":
+                    _apply_ge_gears(config, options)
+            target = devices.resolve_target(
+                placement.kind, placement.device_id, accelerator(placement.kind), by_family[family]
+            )
             session = _create_session(path, graph, config, options, target, threads, source)
-            instances.append(GeInstance(name, session, layout, target.device))
+            instances.append(GeInstance(placement.name, session, layout, target.device))
         logger.info(
             "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
             config.name, source.version, len(instances), instances[0].device if instances else "-", threads,
         )
-        return instances
+        return list(instances)
 
     def _warn_ignored(self, config: ModelConfig, ignored: list[str]) -> None:
         key = (config.name, tuple(ignored))
@@ -113,23 +144,11 @@ BACKEND_KIND = BackendKind(
 )
 
 
-def _placements(config: ModelConfig, options: GeOptions) -> list[tuple[str, int, int]]:
-    """(instance name, kind, device id) for every execution context of every instance group.
-
-    Each context is one pool worker. `instance_exec_blocks` multiplies a group's `count`; `device_exec_blocks`
-    instead fixes the group's total on each device, as Ascend sizes executors by device memory, not instances.
-    """
-    placements: list[tuple[str, int, int]] = []
-    for group in config.instance_group:
-        if group.kind == devices.KIND_GPU:
-            device_ids = list(group.gpus) or options.device_ids or [0]
-        else:
-            device_ids = options.device_ids[:1] or [0]
-        per_device = options.device_exec_blocks or group.count * options.instance_exec_blocks
-        for device_id in device_ids:
-            for _ in range(per_device):
-                placements.append((f"{group.name}_{len(placements)}", group.kind, device_id))
-    return placements
+def _apply_ge_gears(config: ModelConfig, options: GeOptions) -> None:
+    """On Ascend, Graph Engine's `graph.ge.dynamicDims` gears are the batcher's unless `batch_gears` is set."""
+    gears = gears_from_ge(options.ge_options)
+    if gears and config.max_batch_size > 0 and "batch_gears" not in config.parameters:
+        config.parameters["batch_gears"].string_value = ",".join(str(g) for g in gears if g <= config.max_batch_size)
 
 
 def _layout(config: ModelConfig, path: Path) -> ModelLayout:

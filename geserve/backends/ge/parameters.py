@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from geserve.config import ModelConfig
+from geserve.devices.cann import CANN_PARAMETERS
+from geserve.devices.cuda import CUDA_PARAMETERS
 from geserve.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class GeOptions:
     ge_options: dict[str, str] = field(default_factory=dict)
     ort_config_entries: dict[str, str] = field(default_factory=dict)
     custom_ops: list[str] = field(default_factory=list)  # custom-op libraries (.so), relative to the model dir
+    # Execution-provider parameters (CUDA's in Triton's names, CANN's), read by geserve.devices for their targets.
+    device_parameters: dict[str, str] = field(default_factory=dict)
     # Unknown parameters of a Triton ONNX Runtime model, left out as Triton does (the GE dialects refuse them).
     ignored: list[str] = field(default_factory=list)
 
@@ -116,6 +120,8 @@ _HANDLED_ELSEWHERE = {
 }
 
 
+_DEVICE_PARAMETERS = CUDA_PARAMETERS | CANN_PARAMETERS
+
 # A config naming the GE dialects is written for geserve: an unknown parameter in it is a mistake. One naming only
 # Triton's ONNX Runtime platform or backend was written for Triton, whose backend ignores what it does not know.
 _GE_PLATFORMS = {"graph_executor"}
@@ -139,6 +145,8 @@ def parse_ge_options(config: ModelConfig) -> GeOptions:
         setter = _SETTERS.get(key)
         if setter is not None:
             setter(options, key, value)
+        elif key in _DEVICE_PARAMETERS:
+            options.device_parameters[key] = value
         elif key.startswith(_GE_PREFIXES):
             options.ge_options[key] = value
         elif key.startswith(_ORT_PREFIX):
@@ -148,7 +156,7 @@ def parse_ge_options(config: ModelConfig) -> GeOptions:
         elif not strict:
             options.ignored.append(key)
         else:
-            accepted = ", ".join(sorted(_SETTERS))
+            accepted = ", ".join(sorted([*_SETTERS, *_DEVICE_PARAMETERS]))
             raise InvalidArgumentError(
                 f"unknown parameter '{key}' for model '{config.name}'. The GE backend accepts: {accepted}, "
                 f"'session.ge.*' / 'graph.ge.*' (Graph Engine options) and 'ort.<key>' "
