@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.service.parameters import EMPTY_FINAL_RESPONSE
-from geserve.service.shared_memory import RegionStatus, SharedMemoryRegistry
+from geserve.service.shared_memory import CudaRegionStatus, RegionStatus, SharedMemoryRegistry
 from geserve.types import (
     BY_WIRE,
     InferenceRequest,
@@ -407,6 +407,14 @@ def to_system_shared_memory_status_response(regions: list[RegionStatus]) -> pb.S
     for region in regions:
         entry = message.regions[region.name]
         entry.name, entry.key, entry.offset, entry.byte_size = region.name, region.key, region.offset, region.byte_size
+    return message
+
+
+def to_cuda_shared_memory_status_response(regions: list[CudaRegionStatus]) -> pb.CudaSharedMemoryStatusResponse:
+    message = pb.CudaSharedMemoryStatusResponse()
+    for region in regions:
+        entry = message.regions[region.name]
+        entry.name, entry.device_id, entry.byte_size = region.name, region.device_id, region.byte_size
     return message
 
 
