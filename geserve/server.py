@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
+from geserve.devices.nvml import GpuCollector, load_nvml
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.base import Frontend
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
@@ -277,4 +278,9 @@ def _metrics_service(
         cpu = None
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
     options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms, tls)  # HTTP's TLS
-    return MetricsService(build_registry(manager, config, cpu, custom), options, cpu)
+    registry = build_registry(manager, config, cpu, custom)
+    if settings.allow_gpu_metrics:
+        nvml = load_nvml()  # None without nvidia-ml-py or a driver: then there are no GPU families, as in Triton
+        if nvml is not None:
+            registry.register(GpuCollector(nvml))
+    return MetricsService(registry, options, cpu)
