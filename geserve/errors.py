@@ -78,5 +78,10 @@ class PermissionDeniedError(GeserveError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class UnknownSequenceError(InvalidArgumentError):
+    """A request of a sequence (no START flag) whose state this process does not hold: with several workers,
+    another may hold it (service/cluster.py)."""
+
+
 class UnknownModelError(NotFoundError):
     """The model (or version) a call names does not exist: some Triton answers word it as plain text."""

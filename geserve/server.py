@@ -18,9 +18,9 @@ from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.native_server import HttpLimits
 from geserve.frontends.http.server import HttpService
-from geserve.frontends.metrics import MetricsOptions, MetricsService
+from geserve.frontends.metrics import MetricsOptions, MetricsService, registry_exposition
 from geserve.frontends.tls import ReloadsTls, TlsError, TlsFiles, tls_files
-from geserve.metrics import CustomMetricStore, MetricsConfig
+from geserve.metrics import CustomMetricStore, MetricsConfig, render
 from geserve.metrics.collector import SERVER_FAMILY_NAMES, build_registry
 from geserve.metrics.latency import LatencyRecorder
 from geserve.metrics.system import CpuSampler
@@ -33,7 +33,11 @@ from geserve.service.runtime_settings import LogSettings
 from geserve.service.security import SecurityConfigError, build_security
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import SharedMemoryRegistry
+from geserve.service.tracing.config import TraceConfigError, parse_trace_config
+from geserve.service.tracing.otel import OtelUnavailable
+from geserve.service.tracing.tracer import Tracing
 from geserve.settings import ServerSettings
+from geserve.workers.link import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +47,14 @@ class StartupError(Exception):
 
 
 class Server:
-    """Builds the layers from settings; `start` loads the initial models and starts the frontends in order."""
+    """Builds the layers from settings; `start` loads the initial models and starts the frontends in order.
 
-    def __init__(self, settings: ServerSettings, policies: Sequence[CallPolicy] = ()) -> None:
+    With `link`, this process is one worker of a server of several (geserve/workers): its ports are shared with
+    the others, its control calls reach them all, and the supervisor serves the metrics of all."""
+
+    def __init__(
+        self, settings: ServerSettings, policies: Sequence[CallPolicy] = (), link: WorkerLink | None = None
+    ) -> None:
         if settings.model_control_mode not in ("none", "explicit", "poll"):
             raise StartupError(
                 f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none, explicit or poll"
@@ -53,6 +62,7 @@ class Server:
         if not settings.model_repositories:
             raise StartupError("at least one --model-repository is required")
         self.settings = settings
+        self.link = link
         self.store = ModelStore(settings.model_repositories)
         # Kept even with --allow-metrics=false, so models that update custom metrics run unchanged.
         self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES)
@@ -79,6 +89,10 @@ class Server:
             security = build_security(settings)
         except SecurityConfigError as exc:
             raise StartupError(str(exc)) from None
+        try:  # Triton's --trace-config (service/tracing/)
+            tracing = Tracing(parse_trace_config(settings.trace_config))
+        except (TraceConfigError, OtelUnavailable) as exc:
+            raise StartupError(str(exc)) from None
         # One shared memory registry and one set of log / trace settings behind every protocol.
         self.service = InferenceService(
             self.manager,
@@ -91,6 +105,8 @@ class Server:
             audit=security.audit,
             model_load_max_file_bytes=settings.model_load_max_file_bytes,
             response_cache=self.response_cache,
+            cluster=link,
+            tracing=tracing,
         )
         registry.attach_host(self.service.host)
         try:  # the TLS files are read and checked now: one missing or unusable stops the start (frontends/tls.py)
@@ -103,10 +119,14 @@ class Server:
         # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,
         # so gRPC answers once HTTP says live), then HTTP.
         self.frontends: list[Frontend] = []
-        if settings.allow_metrics:
+        if settings.allow_metrics and link is None:
             self.frontends.append(
                 _metrics_service(settings, metrics_config, self.manager, self.custom_metrics, http_tls)
             )
+        # A worker's metrics, without the CPU's (the supervisor samples those once for the server).
+        self._worker_registry = (
+            build_registry(self.manager, metrics_config, None, self.custom_metrics) if link is not None else None
+        )
         if settings.allow_grpc:
             self.frontends.append(GrpcServer(self.service, GrpcOptions(
                 settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
@@ -118,6 +138,7 @@ class Server:
                 http2_max_ping_strikes=settings.grpc_http2_max_ping_strikes,
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
                 tls=grpc_tls,
+                reuse_port=link is not None,
             )))
         if settings.allow_http:
             app = HttpFrontend(self.service, settings.http_max_input_size)
@@ -133,6 +154,7 @@ class Server:
                     max_connections=settings.http_max_connections,
                 ),
                 tls=http_tls,
+                reuse_port=link is not None,
             ))
         self._started: list[Frontend] = []
 
@@ -162,10 +184,15 @@ class Server:
         self.service.loop = asyncio.get_running_loop()
         try:
             await self.load_initial_models()
+            if self.link is not None:  # the server's control state (loads, unloads, regions) before serving
+                registry = self._worker_registry
+                await self.link.join(self.service, lambda: render(registry) if registry is not None else b"")
             for frontend in self.frontends:
                 await frontend.start()
                 self._started.append(frontend)
             self._start_polling()
+            if self.link is not None:
+                self.link.serving()
         except BaseException:
             await self._stop_frontends(time.monotonic() + self.settings.exit_timeout_secs)
             raise
@@ -192,6 +219,9 @@ class Server:
             logger.warning("exit timeout: %d requests still in flight are abandoned", self.service.inflight)
         await self._stop_frontends(deadline)
         self.service.shared_memory.close()
+        self.service.close_tracing()
+        if self.link is not None:
+            await self.link.close()
         try:
             await asyncio.wait_for(self.manager.shutdown(), _left(deadline, minimum=1.0))
         except asyncio.TimeoutError:  # not the builtin before 3.11
@@ -230,6 +260,8 @@ class Server:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, first_signal)
+        if self.link is not None:
+            self.link.on_lost = stop_requested.set
         if any(isinstance(frontend, ReloadsTls) and frontend.serves_tls for frontend in self.frontends):
             loop.add_signal_handler(signal.SIGHUP, self.reload_tls)  # certificate rotation; else SIGHUP is as before
         await self.start()
@@ -283,4 +315,4 @@ def _metrics_service(
         nvml = load_nvml()  # None without nvidia-ml-py or a driver: then there are no GPU families, as in Triton
         if nvml is not None:
             registry.register(GpuCollector(nvml))
-    return MetricsService(registry, options, cpu)
+    return MetricsService(registry_exposition(registry), options, cpu)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -188,3 +190,35 @@ class ModelStatistics:
                 ],
                 "memory_usage": [],
             }
+
+
+def merge_statistics(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The `{"model_stats": [...]}` answers of several workers of one server as one: counts and times added per
+    model version (and per batch size), the last inference the latest of them, in the first answer's order."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for answer in answers:
+        for stats in answer["model_stats"]:
+            key = (stats["name"], stats["version"])
+            if key in merged:
+                _add_into(merged[key], stats)
+            else:
+                merged[key] = copy.deepcopy(stats)
+    return {"model_stats": list(merged.values())}
+
+
+def _add_into(total: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if key == "last_inference":
+            total[key] = max(total[key], value)
+        elif key == "batch_stats":
+            by_size = {entry["batch_size"]: entry for entry in total[key]}
+            for entry in value:
+                if entry["batch_size"] in by_size:
+                    _add_into(by_size[entry["batch_size"]], entry)
+                else:
+                    by_size[entry["batch_size"]] = copy.deepcopy(entry)
+            total[key] = [by_size[size] for size in sorted(by_size)]
+        elif isinstance(value, dict):
+            _add_into(total.setdefault(key, {}), value)
+        elif isinstance(value, int) and key not in ("batch_size", "version", "name"):
+            total[key] = total.get(key, 0) + value

@@ -32,11 +32,24 @@ _LIMITS = HttpLimits(
 )
 
 
-class MetricsApp:
-    """Answers `GET /metrics` with the registry in Prometheus text format; 404 elsewhere."""
+Exposition = Callable[[], Awaitable[bytes]]
+"""The Prometheus text of the whole server, made at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
+
+def registry_exposition(registry: CollectorRegistry) -> Exposition:
+    """A single process's exposition: its registry, rendered."""
+
+    async def expose() -> bytes:
+        return render(registry)
+
+    return expose
+
+
+class MetricsApp:
+    """Answers `GET /metrics` with the server's metrics in Prometheus text format; 404 elsewhere."""
+
+    def __init__(self, exposition: Exposition) -> None:
+        self._exposition = exposition
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,7 +59,7 @@ class MetricsApp:
         elif scope["method"] not in ("GET", "HEAD"):
             await _respond(send, 405, b"text/plain", b"Method Not Allowed\n")
         else:
-            body = render(self._registry)
+            body = await self._exposition()
             await _respond(send, 200, CONTENT_TYPE.encode(), b"" if scope["method"] == "HEAD" else body, len(body))
 
 
@@ -69,16 +82,17 @@ class MetricsOptions:
 class MetricsService(TlsEndpoint):
     """The endpoint over the server's registry, and the CPU sampler on its interval; a frontend of the server.
 
-    The registry (geserve.metrics.collector) reads the models at scrape time; `cpu` is the sampler it reads."""
+    The exposition reads the models at scrape time (geserve.metrics.collector, or every worker's through the
+    supervisor: geserve/workers); `cpu` is the sampler it reads."""
 
     _tls: ServerTls | None
 
     name = "metrics"
 
-    def __init__(self, registry: CollectorRegistry, options: MetricsOptions, cpu: CpuSampler | None = None) -> None:
+    def __init__(self, exposition: Exposition, options: MetricsOptions, cpu: CpuSampler | None = None) -> None:
         self.options = options
         self._cpu = cpu
-        self.registry = registry
+        self._exposition = exposition
         self._http: NativeHttpServer | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -89,7 +103,7 @@ class MetricsService(TlsEndpoint):
         address, port = self.options.address, self.options.port
         if self._cpu is not None:
             self._cpu.sample()  # before the first scrape can arrive
-        http = NativeHttpServer(MetricsApp(self.registry), address, port, _MAX_BODY, _LIMITS, self._tls)
+        http = NativeHttpServer(MetricsApp(self._exposition), address, port, _MAX_BODY, _LIMITS, self._tls)
         task = asyncio.create_task(http.serve(), name="metrics-http")
         while not http.started and not task.done():
             await asyncio.sleep(0.01)

@@ -18,7 +18,7 @@ from geserve.metrics.config import MetricsConfig
 from geserve.metrics.custom import CustomMetricStore
 from geserve.metrics.exposition import format_value
 from geserve.metrics.latency import SUMMARY_FAMILIES, LatencyRecorder
-from geserve.metrics.system import CpuSampler
+from geserve.metrics.system import CpuSampler, cpu_families
 from geserve.repository.model import LoadedModel, ModelState
 from geserve.statistics import FAILURE_REASONS
 
@@ -113,8 +113,8 @@ class InferenceCollector:
             yield from self._durations(stats)
             yield from self._cache_counters(stats)
         yield from self._model_gauges(models)
-        if self._cpu is not None:
-            yield from self._cpu_families()
+        if self._cpu is not None and self._cpu.latest is not None:
+            yield from cpu_families(self._cpu.latest)
         recorders = [(m, m.statistics.latency_observer) for m in models]
         live = [(m, r) for m, r in recorders if isinstance(r, LatencyRecorder)]
         if self._config.summary_latencies:
@@ -172,19 +172,6 @@ class InferenceCollector:
             load.add_sample(load.name, _labels(model), record.load_seconds if record is not None else 0.0)
         yield pending
         yield load
-
-    def _cpu_families(self) -> Iterator[Metric]:
-        reading = self._cpu.latest if self._cpu is not None else None
-        if reading is None:
-            return
-        for name, documentation, value in (
-            ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", reading.utilization),
-            ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", reading.memory_total_bytes),
-            ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", reading.memory_used_bytes),
-        ):
-            family = _family(name, documentation, "gauge")
-            family.add_sample(name, {}, value)
-            yield family
 
     def _summaries(self, live: list[tuple[LoadedModel, LatencyRecorder]]) -> Iterator[Metric]:
         quantiles = [q for q, _ in self._config.summary_quantiles]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -30,9 +32,15 @@ def _escape_help(text: str) -> str:
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    """Every family with at least one sample, HELP (unless it has no description, as Triton) and TYPE first."""
+    """Every family of the registry with at least one sample, HELP (unless it has no description, as Triton) and
+    TYPE first."""
+    return render_families(registry.collect())
+
+
+def render_families(families: Iterable[Metric]) -> bytes:
+    """`render`, for families at hand."""
     lines: list[str] = []
-    for family in registry.collect():
+    for family in families:
         if not family.samples:
             continue
         kind = "untyped" if family.type == "unknown" else family.type

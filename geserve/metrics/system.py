@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.metrics_core import Metric
+
 
 @dataclass(frozen=True, slots=True)
 class CpuReading:
@@ -61,3 +63,17 @@ class CpuSampler:
                 if key in (b"MemTotal", b"MemAvailable"):
                     values[key] = int(rest.split()[0]) * 1024
         return values[b"MemTotal"], values.get(b"MemAvailable", 0)
+
+
+def cpu_families(reading: CpuReading) -> list[Metric]:
+    """Triton's CPU gauges for one reading."""
+    families = []
+    for name, documentation, value in (
+        ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", reading.utilization),
+        ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", reading.memory_total_bytes),
+        ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", reading.memory_used_bytes),
+    ):
+        family = Metric(name, documentation, "gauge")
+        family.add_sample(name, {}, value)
+        families.append(family)
+    return families

@@ -29,7 +29,7 @@ from typing import Any
 
 from geserve.config import ModelConfig
 from geserve.config.sequence import SequenceSettings, is_sequence_model
-from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError
+from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError, UnknownSequenceError
 from geserve.scheduling.pool import InstancePool
 from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
 from geserve.scheduling.sequence_requests import SequenceId, SequenceInputs, sequence_id
@@ -108,7 +108,7 @@ class SequenceBatcher:
         slot = self._assigned.get(corrid)
         backlog = self._backlog_of.get(corrid)
         if not start and slot is None and backlog is None:
-            raise InvalidArgumentError(
+            raise UnknownSequenceError(
                 f"inference request for sequence {corrid} to model '{self._name}' must specify the START flag on the "
                 f"first request of the sequence"
             )

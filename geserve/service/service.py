@@ -26,29 +26,25 @@ from geserve.errors import (
     NotFoundError,
     UnavailableError,
     UnknownModelError,
-    UnknownSequenceError,
     UnsupportedError,
 )
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
-from geserve.service.cluster import Cluster
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
 from geserve.service.model_files import DEFAULT_MAX_FILE_BYTES, check_model_name, model_files
 from geserve.service.parameters import apply_parameters
 from geserve.service.raw_input import expand_raw_input
 from geserve.service.response_cache import ResponseCache
-from geserve.service.runtime_settings import LogSettings, LogValue
+from geserve.service.runtime_settings import LogSettings, LogValue, TraceSettings
 from geserve.service.shared_memory import (
     CudaRegionStatus,
     OutputPlacementError,
     RegionStatus,
     SharedMemoryRegistry,
 )
-from geserve.service.tracing.tracer import Tracing
 from geserve.service.validation import prepare
-from geserve.statistics import merge_statistics
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.types.wire import tensor_bytes
@@ -95,30 +91,24 @@ class InferenceService:
         strict_readiness: bool,
         shared_memory: SharedMemoryRegistry | None = None,
         log_settings: LogSettings | None = None,
-        tracing: Tracing | None = None,
+        trace_settings: TraceSettings | None = None,
         policies: Sequence[CallPolicy] = (),
         server_name: str = SERVER_NAME,
         audit: AuditLog | None = None,
         model_load_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         response_cache: ResponseCache | None = None,
-        cluster: Cluster | None = None,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
         self._strict = strict_readiness
         self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry(False)
         self._log = log_settings if log_settings is not None else LogSettings()
-        self._trace = tracing if tracing is not None else Tracing()
-        # The tracing while any trace setting can trace a request, else None: all an untraced request pays.
-        self.tracer: Tracing | None = self._trace if self._trace.on else None
+        self._trace = trace_settings if trace_settings is not None else TraceSettings()
         self.policies = list(policies)
         self.audit = audit
         self.response_cache = response_cache  # Triton's response cache (--cache-config); None without one
         self.server_name = server_name
         self.model_load_max_file_bytes = model_load_max_file_bytes
-        # The other workers of this server (--workers N), None in a single process: control calls then run on
-        # every worker, statistics add up theirs, and readiness waits for all of them.
-        self.cluster = cluster
         self.accepting = True
         self._inflight = 0  # inference calls under way, of every transport
         self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
@@ -209,11 +199,7 @@ class InferenceService:
 
     def ready(self, context: CallContext = IN_PROCESS) -> bool:
         with self._call(ApiGroup.HEALTH, "ready", context):
-            return (
-                self.accepting
-                and (not self._strict or self._manager.all_ready())
-                and (self.cluster is None or self.cluster.ready)
-            )
+            return self.accepting and (not self._strict or self._manager.all_ready())
 
     async def model_ready(self, name: str, version: str = "", context: CallContext = IN_PROCESS) -> bool:
         """READY in the lifecycle, and (for models whose instances check their own readiness) ready by them."""
@@ -274,12 +260,7 @@ class InferenceService:
                 raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
             started = time.monotonic_ns()
             self._prepare(model, request, context)  # a request the model never sees is no failure of the model's
-            tracer = self.tracer
-            if tracer is None:
-                response = await self._execute(model, request, started)
-            else:
-                frontend = context.transport is not _IN_PROCESS
-                response = await tracer.run(model, request, context, started, self._execute, frontend)
+            response = await self._execute(model, request, started)
             self._place_outputs(request, response)
             return response
         finally:
@@ -297,11 +278,7 @@ class InferenceService:
             started = time.monotonic_ns()
             self._prepare(model, request, context)
             if not model.decoupled:
-                tracer = self.tracer
-                if tracer is None:
-                    response = await self._execute(model, request, started)
-                else:  # a stream's responses carry no frontend times: the trace ends with the request
-                    response = await tracer.run(model, request, context, started, self._execute, False)
+                response = await self._execute(model, request, started)
                 self._place_outputs(request, response)
                 yield StreamResponse(response, final=True)
                 return
@@ -389,46 +366,15 @@ class InferenceService:
             model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
             raise
 
-    async def _run(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
+    @staticmethod
+    async def _run(model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
         try:
-            try:
-                response = await model.scheduler.enqueue(request)
-            except UnknownSequenceError:
-                forwarded = await self._forward_sequence(request)
-                if forwarded is None:
-                    raise
-                return forwarded  # counted by the worker that ran it
+            response = await model.scheduler.enqueue(request)
             if request.outputs is not None:
                 _apply_classification(model, request, response)
         except Exception as exc:  # counted whatever failed, then answered by the frontend's error table
             model.statistics.record_failure(time.monotonic_ns() - started, exc)
             raise
-        model.statistics.record_success(time.monotonic_ns() - started)
-        response.model_version = str(model.version)
-        return response
-
-    async def _forward_sequence(self, request: InferenceRequest) -> InferenceResponse | None:
-        """A request of a sequence another worker holds (its START came in on another connection) runs there;
-        None when this server runs one process, or no worker holds it."""
-        if self.cluster is None or request.stream is not None:
-            return None
-        return await self.cluster.forward_sequence(request)
-
-    async def run_forwarded(self, request: InferenceRequest) -> InferenceResponse | None:
-        """Another worker's request of a sequence (`_forward_sequence`): its answer when this worker holds the
-        sequence, else None. The request was admitted and checked by the worker it came to."""
-        model = self._lookup(request)
-        self._enter()
-        started = time.monotonic_ns()
-        try:
-            response = await model.scheduler.enqueue(request)
-        except UnknownSequenceError:
-            return None
-        except Exception as exc:
-            model.statistics.record_failure(time.monotonic_ns() - started, exc)
-            raise
-        finally:
-            self._leave()
         model.statistics.record_success(time.monotonic_ns() - started)
         response.model_version = str(model.version)
         return response
@@ -462,7 +408,7 @@ class InferenceService:
         gRPC and in process), the model loads from those files, written into a private folder, instead of the
         repository's (service/model_files.py has the rules)."""
         with self._call(ApiGroup.MODEL_REPOSITORY, "load_model", context, name):
-            await self._everywhere("load_model", name, parameters or {}, context.transport)
+            await self._load_model(name, parameters or {}, context.transport)
 
     async def _load_model(self, name: str, parameters: dict[str, Any], transport: Transport) -> None:
         self._require_explicit()  # Triton's order: the control mode, the model's name, then the parameters
@@ -475,11 +421,8 @@ class InferenceService:
 
     async def unload_model(self, name: str, context: CallContext = IN_PROCESS) -> None:
         with self._call(ApiGroup.MODEL_REPOSITORY, "unload_model", context, name):
-            await self._everywhere("unload_model", name)
-
-    async def _unload_model(self, name: str) -> None:
-        self._require_explicit()
-        await self._manager.unload(name)
+            self._require_explicit()
+            await self._manager.unload(name)
 
     def _require_explicit(self) -> None:
         if not self._explicit:
@@ -487,15 +430,9 @@ class InferenceService:
 
     # ---- statistics -------------------------------------------------------------------------------
 
-    async def statistics(
-        self, name: str = "", version: str = "", context: CallContext = IN_PROCESS
-    ) -> dict[str, Any]:
-        """The statistics of the whole server: with several workers, every worker's added up."""
+    def statistics(self, name: str = "", version: str = "", context: CallContext = IN_PROCESS) -> dict[str, Any]:
         with self._call(ApiGroup.STATISTICS, "statistics", context, name):
-            local = self._statistics(name, version)  # this worker's errors first (an unknown model, version)
-            if self.cluster is None:
-                return local
-            return merge_statistics(await self.cluster.gather("statistics", name, version))
+            return self._statistics(name, version)
 
     def _statistics(self, name: str, version: str) -> dict[str, Any]:
         if name:
@@ -517,16 +454,15 @@ class InferenceService:
         with self._call(ApiGroup.SHARED_MEMORY, "shared_memory_status", context, region=name):
             return self.shared_memory.status(name)
 
-    async def register_shared_memory(
+    def register_shared_memory(
         self, name: str, key: str, offset: int, byte_size: int, context: CallContext = IN_PROCESS
     ) -> None:
-        """A region every worker can read inputs from and write outputs to."""
         with self._call(ApiGroup.SHARED_MEMORY, "register_shared_memory", context, region=name):
-            await self._everywhere("register_shared_memory", name, key, offset, byte_size)
+            self.shared_memory.register(name, key, offset, byte_size)
 
-    async def unregister_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
+    def unregister_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
         with self._call(ApiGroup.SHARED_MEMORY, "unregister_shared_memory", context, region=name):
-            await self._everywhere("unregister_shared_memory", name)
+            self.shared_memory.unregister(name)
 
     # CUDA regions (device memory shared by an IPC handle); where CUDA cannot open one, Triton's answers there.
 
@@ -559,46 +495,13 @@ class InferenceService:
                     self._manager.get(model)
                 except NotFoundError:
                     raise InvalidArgumentError(f"Request for unknown model : {model}") from None
-            if not changes:
-                return self._trace.settings.get(model)
-            values = self._trace.settings.update(changes, model, context.transport is Transport.GRPC)
-            self.tracer = self._trace if self._trace.on else None
-            return values
+            return self._trace.update(changes, model) if changes else self._trace.get(model)
 
-    def close_tracing(self) -> None:
-        """Write the trace file, or export the spans still queued (the server is stopping)."""
-        self._trace.close()
-
-    async def log_settings(
+    def log_settings(
         self, changes: dict[str, LogValue] | None = None, context: CallContext = IN_PROCESS
     ) -> dict[str, LogValue]:
         with self._call(ApiGroup.LOGGING, "log_settings", context):
-            return await self._everywhere("log_settings", changes) if changes else self._log.get()
-
-    # ---- control calls of the whole server ----------------------------------------------------------
-
-    async def _everywhere(self, method: str, *args: Any) -> Any:
-        """Run a control call (one of cluster.CONTROL_CALLS) on every worker of the server, or here in one
-        process; the caller has admitted it."""
-        if self.cluster is None:
-            return await self.run_control(method, args)
-        return await self.cluster.broadcast(method, *args)
-
-    async def run_control(self, method: str, args: tuple[Any, ...]) -> Any:
-        """The body of a control call, on this worker: admitted by the worker the call came to."""
-        if method == "load_model":
-            return await self._load_model(*args)
-        if method == "unload_model":
-            return await self._unload_model(*args)
-        if method == "register_shared_memory":
-            return self.shared_memory.register(*args)
-        if method == "unregister_shared_memory":
-            return self.shared_memory.unregister(*args)
-        if method == "log_settings":
-            return self._log.update(*args)
-        if method == "statistics":
-            return self._statistics(*args)
-        raise InternalError(f"unknown control call '{method}'")
+            return self._log.update(changes) if changes else self._log.get()
 
 
 class _NoAudit:

@@ -69,6 +69,10 @@ def start_geserve(repos: Sequence[Path], log_path: Path, extra_args: Sequence[st
             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
     for repo in repos:
         args += ["--model-repository", str(repo)]
+    if not any(arg.startswith("--workers") for arg in extra_args):
+        # One process unless a test asks for workers: the default (one per core) would double every server's
+        # start-up and memory in the suite; tests/test_workers.py covers the default.
+        args += ["--workers", "1"]
     args += list(extra_args)
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=dict(os.environ))

@@ -58,15 +58,13 @@ class GrpcOptions:
     """Most calls (HTTP/2 streams) open at once on one connection; further ones wait for one to end."""
     tls: TlsFiles | None = None
     """TLS (--grpc-use-ssl[-mutual]); None: plaintext."""
-    reuse_port: bool = False
-    """Share the port with the server's other worker processes (--workers); else a port in use fails the start."""
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The grpc server's channel arguments for these options."""
         return [
             ("grpc.max_send_message_length", self.max_message_size),
             ("grpc.max_receive_message_length", self.max_message_size),
-            ("grpc.so_reuseport", int(self.reuse_port)),
+            ("grpc.so_reuseport", 0),  # a port already in use fails the start instead of being shared
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
@@ -161,7 +159,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
         version = convert.from_version(request.version)
-        statistics = await self._service.statistics(request.name, version, call_context(context))
+        statistics = self._service.statistics(request.name, version, call_context(context))
         return convert.to_model_statistics_response(statistics)
 
     # ---- inference ----------------------------------------------------------------------------------
@@ -180,19 +178,9 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         call = call_context(context)
         # Admitted before its tensors are decoded: a caller who may not infer costs no decoding (and once only).
         self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)
-        traced = self._service.tracer is not None  # gRPC read the message before this runs: the decoding is timed
-        read_start = time.monotonic_ns() if traced else 0
         decoded = self._decode(request)
-        if traced:
-            call.trace_marks = [("GRPC_WAITREAD_START", read_start), ("GRPC_WAITREAD_END", time.monotonic_ns())]
         response = await self._service.infer(decoded.request, call)
-        trace = call.trace  # set only on a request the service traced
-        if trace is None:
-            return convert.to_model_infer_response(response, decoded.request)
-        trace.mark("GRPC_SEND_START")  # the encoding; gRPC writes the message after this returns
-        message = convert.to_model_infer_response(response, decoded.request)
-        trace.finish("GRPC_SEND_END")
-        return message
+        return convert.to_model_infer_response(response, decoded.request)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]
@@ -296,7 +284,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Any
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        await self._service.register_shared_memory(
+        self._service.register_shared_memory(
             request.name, request.key, request.offset, request.byte_size, call_context(context)
         )
         return pb.SystemSharedMemoryRegisterResponse()
@@ -305,7 +293,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Any
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self._service.unregister_shared_memory(request.name, call_context(context))
+        self._service.unregister_shared_memory(request.name, call_context(context))
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @_rpc
@@ -342,7 +330,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:
         changes = convert.from_log_settings_request(request)
-        return convert.to_log_settings_response(await self._service.log_settings(changes, call_context(context)))
+        return convert.to_log_settings_response(self._service.log_settings(changes, call_context(context)))
 
 
 class GrpcServer(TlsEndpoint):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import gzip
 import logging
-import time
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -84,9 +83,8 @@ class HttpFrontend:
         if scope["type"] != "http":
             return
         headers = dict(scope["headers"])
-        context = _context(scope)
         try:
-            status, body, content_type, extra = await self._dispatch(scope, receive, headers, context)
+            status, body, content_type, extra = await self._dispatch(scope, receive, headers, _context(scope))
         except ClientDisconnected:
             return
         except GeserveError as exc:
@@ -98,13 +96,8 @@ class HttpFrontend:
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             status, body, content_type, extra = 500, _error_body(f"internal error: {exc}"), _JSON, []
         response_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]
-        trace = context.trace  # set only on a request the service traced
-        if trace is not None:
-            trace.mark("HTTP_SEND_START")
         await send({"type": "http.response.start", "status": status, "headers": response_headers})
         await send({"type": "http.response.body", "body": body})
-        if trace is not None:
-            trace.finish("HTTP_SEND_END")
 
     async def _dispatch(
         self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], context: CallContext
@@ -120,7 +113,7 @@ class HttpFrontend:
         group = parts[1]
         if group == "models" and len(parts) > 2:
             if parts[2:] == ["stats"]:
-                return _json(await service.statistics(context=context)) if method == "GET" else _not_allowed()
+                return _json(service.statistics(context=context)) if method == "GET" else _not_allowed()
             return await self._model_route(method, parts[2:], receive, headers, context)
         if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
             if method != "GET":
@@ -145,11 +138,11 @@ class HttpFrontend:
             return await self._shm_route(group, method, parts[2:], receive, headers, context)
         if parts[1:] == ["logging"]:
             if method == "GET":
-                return _json(await service.log_settings(context=context))
+                return _json(service.log_settings(context=context))
             if method != "POST":
                 return _not_allowed()
             changes = _log_changes(parse_json(await self._read_body(receive, headers)))
-            return _json(await service.log_settings(changes, context))
+            return _json(service.log_settings(changes, context))
         if parts[1:] == ["trace", "setting"]:
             return await self._trace_setting("", method, receive, headers, context)
         return _not_found()
@@ -183,7 +176,7 @@ class HttpFrontend:
             if cuda:
                 service.unregister_cuda_shared_memory(name, context)
             else:
-                await service.unregister_shared_memory(name, context)
+                service.unregister_shared_memory(name, context)
             return 200, b"", _JSON, []
         options = parse_json(await self._read_body(receive, headers))
         options = options if isinstance(options, dict) else {}
@@ -197,7 +190,7 @@ class HttpFrontend:
             raise RequestParseError(_JSON_TYPE_ERRORS[str])
         if not all(type(v) is int and v >= 0 for v in (offset, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
-        await service.register_shared_memory(name, key, offset, byte_size, context)
+        service.register_shared_memory(name, key, offset, byte_size, context)
         return 200, b"", _JSON, []
 
     def _register_cuda(self, name: str, options: dict[str, Any], context: CallContext) -> Response:
@@ -253,7 +246,7 @@ class HttpFrontend:
             return 400, _error_body("Model version not ready"), _TEXT, []
         if action == "config":
             return _json(message_to_json_dict(service.model_config(name, version, context)))
-        return _json(await service.statistics(name, version, context))
+        return _json(service.statistics(name, version, context))
 
     async def _repository_action(
         self, name: str, action: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
@@ -273,12 +266,8 @@ class HttpFrontend:
         # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
         # does not admit the call again; the faults of the body still come after the model's lookup.
         self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
-        traced = self._service.tracer is not None  # the receive times of a request the service may trace
-        receive_start = time.monotonic_ns() if traced else 0
         try:
             body = await self._read_body(receive, headers)
-            if traced:
-                context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
             length = _header_length(headers, len(body))
             request = decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
         except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body

@@ -383,10 +383,11 @@ class NativeHttpServer:
 
     def __init__(
         self, app: Any, host: str, port: int, max_body_size: int, limits: HttpLimits | None = None,
-        tls: ServerTls | None = None,
+        tls: ServerTls | None = None, reuse_port: bool = False,
     ) -> None:
         self.app = app
         self.tls = tls
+        self.reuse_port = reuse_port  # several worker processes share the port (--workers)
         self.host = host
         self.port = port
         self.max_body_size = max_body_size
@@ -476,7 +477,7 @@ class NativeHttpServer:
     async def serve(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self.clock = loop.time()
-        self._listeners = await _bind(loop, self.host, self.port, backlog=2048)
+        self._listeners = await bind_listeners(loop, self.host, self.port, 2048, self.reuse_port)
         sockname = self._listeners[0].getsockname()
         self._server_address = (str(sockname[0]), int(sockname[1]))
         self._resume_accepting()
@@ -605,8 +606,11 @@ class NativeHttpServer:
         self._sweeper = self._loop.call_later(self._sweep_period, self._sweep)
 
 
-async def _bind(loop: asyncio.AbstractEventLoop, host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets for host:port, as loop.create_server binds them (every address host resolves to)."""
+async def bind_listeners(
+    loop: asyncio.AbstractEventLoop, host: str, port: int, backlog: int, reuse_port: bool = False
+) -> list[socket.socket]:
+    """Listening sockets for host:port, as loop.create_server binds them (every address host resolves to); with
+    `reuse_port`, sockets other processes of the server bind too (SO_REUSEPORT: the kernel spreads connections)."""
     infos = await loop.getaddrinfo(
         host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
@@ -624,6 +628,8 @@ async def _bind(loop: asyncio.AbstractEventLoop, host: str, port: int, backlog: 
                 continue
             listeners.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:  # as asyncio: an IPv6 socket does not also take the IPv4 port
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:

@@ -14,7 +14,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from geserve.frontends.http.app import HttpFrontend
-from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer
+from geserve.frontends.http.native_server import HttpLimits, NativeHttpServer, bind_listeners
 from geserve.frontends.tls import ServerTls, TlsEndpoint, TlsFiles, asgi_tls_extension
 
 HTTP_SERVERS = ("native", "uvicorn")
@@ -50,11 +50,11 @@ class _TlsHttpToolsProtocol(HttpToolsProtocol):
 
 def create_http_server(
     app: HttpFrontend, host: str, port: int, log_verbose: int, kind: str, max_body_size: int,
-    limits: HttpLimits | None = None, tls: ServerTls | None = None,
+    limits: HttpLimits | None = None, tls: ServerTls | None = None, reuse_port: bool = False,
 ) -> NativeHttpServer | uvicorn.Server:
     limits = limits or HttpLimits()
     if kind == "native":
-        return NativeHttpServer(app, host, port, max_body_size, limits, tls)
+        return NativeHttpServer(app, host, port, max_body_size, limits, tls, reuse_port)
     http: str | type[HttpToolsProtocol] = "httptools"
     if tls is not None:
         http = type("TlsHttpToolsProtocol", (_TlsHttpToolsProtocol,), {"mutual": tls.mutual})
@@ -102,15 +102,21 @@ class HttpService(TlsEndpoint):
 
     def __init__(
         self, app: HttpFrontend, host: str, port: int, *, log_verbose: int = 0, kind: str = "native",
-        max_body_size: int, limits: HttpLimits | None = None, tls: TlsFiles | None = None,
+        max_body_size: int, limits: HttpLimits | None = None, tls: TlsFiles | None = None, reuse_port: bool = False,
     ) -> None:
-        self._host, self._port = host, port
+        self._host, self._port, self._reuse_port = host, port, reuse_port
         self._tls = ServerTls(tls, "http") if tls is not None else None
-        self._server = create_http_server(app, host, port, log_verbose, kind, max_body_size, limits, self._tls)
+        self._server = create_http_server(
+            app, host, port, log_verbose, kind, max_body_size, limits, self._tls, reuse_port
+        )
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve())
+        if isinstance(self._server, uvicorn.Server) and self._reuse_port:  # uvicorn has no SO_REUSEPORT option
+            listeners = await bind_listeners(asyncio.get_running_loop(), self._host, self._port, 2048, True)
+            self._task = asyncio.create_task(self._server.serve(sockets=listeners))
+        else:
+            self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._task.done():
                 self._task.result()

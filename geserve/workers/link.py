@@ -1,0 +1,101 @@
+"""A worker's link to its supervisor: the `Cluster` its service uses (service/cluster.py), and the calls the
+supervisor makes on this worker (control calls, metrics, forwarded sequence requests, the server's readiness)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from geserve.errors import InternalError
+from geserve.service.service import InferenceService
+from geserve.types import InferenceRequest, InferenceResponse
+from geserve.workers.wire import Peer
+
+logger = logging.getLogger(__name__)
+
+SOCKET_VARIABLE = "GESERVE_WORKER_SOCKET"
+INDEX_VARIABLE = "GESERVE_WORKER_INDEX"
+
+
+class WorkerLink:
+    """Connects to the supervisor's socket; `join` takes the server's control state (models loaded and unloaded,
+    shared memory regions, log settings) before this worker serves."""
+
+    def __init__(self, socket_path: str, index: int) -> None:
+        self.socket_path = socket_path
+        self.index = index
+        self._ready = False
+        self._peer: Peer | None = None
+        self._service: InferenceService | None = None
+        self._metrics: Callable[[], bytes] = bytes
+        self._watch: asyncio.Task[None] | None = None
+        # What happens when the supervisor is gone (killed): the server sets its own stop; alone, a SIGTERM.
+        self.on_lost: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+
+    @classmethod
+    def from_environment(cls) -> WorkerLink | None:
+        """The link of a process the supervisor started, None in a process started by hand."""
+        path = os.environ.get(SOCKET_VARIABLE)
+        return cls(path, int(os.environ.get(INDEX_VARIABLE, "0"))) if path else None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    async def join(self, service: InferenceService, metrics: Callable[[], bytes]) -> None:
+        """Connect, and receive the control calls the server has run so far (the supervisor replays them)."""
+        self._service, self._metrics = service, metrics
+        reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        peer = self._peer = Peer(reader, writer, self._handle)
+        peer.start()
+        await peer.call("join", self.index, os.getpid())
+        self._watch = asyncio.create_task(self._stop_with_supervisor(peer), name="worker-supervisor-watch")
+
+    def serving(self) -> None:
+        """This worker's frontends are up: the supervisor counts it in the server's readiness."""
+        if self._peer is not None:
+            self._peer.notify("serving", self.index)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._peer is not None:
+            await self._peer.close()
+
+    async def broadcast(self, method: str, *args: Any) -> Any:
+        return await self._connected().call("broadcast", self.index, method, args)
+
+    async def gather(self, method: str, *args: Any) -> list[Any]:
+        return list(await self._connected().call("gather", method, args))
+
+    async def forward_sequence(self, request: InferenceRequest) -> InferenceResponse | None:
+        return await self._connected().call("forward_sequence", self.index, request)
+
+    def _connected(self) -> Peer:
+        if self._peer is None:
+            raise InternalError("this worker is not connected to its supervisor")
+        return self._peer
+
+    async def _handle(self, method: str, args: tuple[Any, ...]) -> Any:
+        service = self._service
+        assert service is not None
+        if method == "control":
+            return await service.run_control(*args)
+        if method == "run_forwarded":
+            return await service.run_forwarded(*args)
+        if method == "metrics":
+            return self._metrics()
+        if method == "server_ready":
+            self._ready = bool(args[0])
+            return None
+        raise InternalError(f"unknown call '{method}' from the supervisor")
+
+    async def _stop_with_supervisor(self, peer: Peer) -> None:
+        """A worker whose supervisor is gone (killed) drains and exits as on SIGTERM, rather than serve alone."""
+        await peer.closed.wait()
+        logger.warning("the supervisor is gone: this worker stops")
+        self.on_lost()

@@ -1,0 +1,75 @@
+"""The Prometheus text of several workers as the metrics of one server: counters, histograms and most gauges add
+up; host- and device-wide gauges are the same in every worker and are taken once; quantiles take the largest.
+
+Our own reader of the text geserve itself writes (metrics/exposition.py): prometheus_client's parser renames
+counters to `<name>_total`, which Triton's nv_* counters are not called."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from geserve.metrics.exposition import format_value
+
+# Gauges that describe the machine or a model's state rather than one worker's share: every worker reports the
+# same reading, so the first one's stands.
+_SAME_IN_EVERY_WORKER = ("nv_cpu_", "nv_gpu_", "nv_energy_", "ge_model_state")
+_LARGEST = ("nv_model_load_duration_secs",)
+
+
+@dataclass(slots=True)
+class _Family:
+    comments: list[str]
+    rule: str = "sum"
+    samples: dict[str, float] = field(default_factory=dict)  # `name{labels}` -> value
+
+
+def _rule(name: str, kind: str) -> str:
+    if kind == "gauge":
+        if name.startswith(_SAME_IN_EVERY_WORKER):
+            return "first"
+        if name in _LARGEST:
+            return "max"
+    return "sum"
+
+
+def merge_expositions(texts: Sequence[str]) -> bytes:
+    """One exposition with every family of `texts`, one line per sample name and labels."""
+    families: dict[str, _Family] = {}
+    for text in texts:
+        current: _Family | None = None
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) < 3:
+                    continue
+                name = parts[2]
+                known = families.get(name)
+                if known is None:
+                    known = families[name] = _Family([])
+                if parts[1] == "TYPE" and len(parts) == 4:
+                    known.rule = _rule(name, parts[3])
+                if len(known.comments) < 2 and line not in known.comments:
+                    known.comments.append(line)
+                current = known
+                continue
+            key, _, raw = line.rpartition(" ")
+            if current is None:  # a sample before any TYPE line: its own untyped family
+                current = families.setdefault(key.split("{", 1)[0], _Family([]))
+            value = float(raw)
+            samples = current.samples
+            if key not in samples:
+                samples[key] = value
+            elif 'quantile="' in key or current.rule == "max":
+                samples[key] = max(samples[key], value)
+            elif current.rule == "sum":
+                samples[key] += value
+    lines: list[str] = []
+    for family in families.values():
+        if family.samples:
+            lines += family.comments
+            lines += [f"{key} {format_value(value)}" for key, value in family.samples.items()]
+    lines.append("")
+    return "\n".join(lines).encode()

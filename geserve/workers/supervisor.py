@@ -1,0 +1,338 @@
+"""`--workers N`: N worker processes share the HTTP and gRPC ports (SO_REUSEPORT) and look like one server.
+
+The supervisor serves no inference. It starts the workers (each a `geserve serve` with the same options), runs
+the control calls one worker receives on all of them (model load / unload, shared memory regions, log settings),
+gathers their statistics and metrics (it serves the metrics port itself), tells them when all are ready, restarts
+a worker that dies (replaying the control calls the server ran, so it comes back with the same models), and
+forwards a sequence's request to the worker that holds the sequence. Models live in every worker (see README
+"Workers" for the measurement behind that choice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from geserve.errors import GeserveError, InternalError
+from geserve.frontends.metrics import MetricsOptions, MetricsService
+from geserve.frontends.tls import TlsError, tls_files
+from geserve.metrics.exposition import render_families
+from geserve.metrics.system import CpuSampler, cpu_families
+from geserve.settings import ServerSettings
+from geserve.workers.link import INDEX_VARIABLE, SOCKET_VARIABLE
+from geserve.workers.metrics_merge import merge_expositions
+from geserve.workers.wire import Peer, PeerGone
+
+logger = logging.getLogger(__name__)
+
+MAX_AUTO_WORKERS = 8
+# Control calls that change the server's state: kept (the latest per model, per region) and replayed to a worker
+# that joins later, so a restarted worker serves what the others serve.
+_REPLAYED = frozenset({"load_model", "unload_model", "register_shared_memory", "unregister_shared_memory",
+                       "log_settings"})
+_RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_STOP_GRACE_SECS = 10.0  # beyond --exit-timeout-secs, for a worker to unload its models and exit
+
+
+def worker_count(requested: int) -> int:
+    """`--workers`: as given; 0 (the default) is one per core this process may run on, at most MAX_AUTO_WORKERS."""
+    if requested > 0:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_AUTO_WORKERS))
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    peer: Peer | None = None
+    serving: bool = False
+    started_once: bool = False
+    failures: int = 0
+    started_at: float = 0.0
+
+
+class Supervisor:
+    """Runs `count` workers of `geserve serve <argv>` until signalled; `run` returns the exit status."""
+
+    def __init__(self, settings: ServerSettings, argv: Sequence[str], count: int) -> None:
+        self.settings = settings
+        self.argv = list(argv)
+        self.workers = [_Worker(i) for i in range(count)]
+        self._replay: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
+        self._control = asyncio.Lock()  # one control call of the server at a time, joins included
+        self._stopping = False
+        self._ready_sent: bool | None = None
+        self._changed = asyncio.Event()
+        self._cpu: CpuSampler | None = None
+        self._metrics: MetricsService | None = None
+        self._folder = tempfile.TemporaryDirectory(prefix="geserve-workers-")  # mode 0700: ours alone
+        self.socket_path = str(Path(self._folder.name) / "control.sock")
+
+    # ---- the life of the server --------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        signals = 0
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                logger.info("signal received, stopping the workers (a second signal kills them)")
+                stop.set()
+            else:
+                self._kill_all()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_tls)
+        server = await asyncio.start_unix_server(self._connected, path=self.socket_path)
+        try:
+            if not await self._start_all(stop):
+                return 1
+            await self._start_metrics()
+            logger.info("serving with %d workers", len(self.workers))
+            watchers = [asyncio.create_task(self._watch(worker, stop)) for worker in self.workers]
+            await stop.wait()
+            return 0 if await self._stop_all(watchers) else 1
+        finally:
+            server.close()
+            if self._metrics is not None:
+                await self._metrics.stop()
+            self._folder.cleanup()
+
+    async def _start_all(self, stop: asyncio.Event) -> bool:
+        """Start every worker and wait until all serve; one that exits first fails the start (as one process's
+        failed start does), and the others are stopped."""
+        for worker in self.workers:
+            await self._spawn(worker)
+        while not all(w.serving for w in self.workers):
+            failed = [w for w in self.workers if w.process is not None and w.process.returncode is not None]
+            if failed or stop.is_set():
+                for worker in failed:
+                    logger.error("worker %d exited with %s while starting", worker.index, worker.process.returncode)
+                await self._stop_all([])
+                return False
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 0.1)
+        for worker in self.workers:
+            worker.started_once = True
+        return True
+
+    async def _spawn(self, worker: _Worker) -> None:
+        environment = dict(os.environ, **{SOCKET_VARIABLE: self.socket_path, INDEX_VARIABLE: str(worker.index)})
+        worker.serving, worker.peer, worker.started_at = False, None, time.monotonic()
+        worker.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "geserve", "serve", *self.argv, env=environment
+        )
+        logger.info("worker %d started (pid %d)", worker.index, worker.process.pid)
+
+    async def _watch(self, worker: _Worker, stop: asyncio.Event) -> None:
+        """Restart the worker whenever it dies, until the server stops (after a pause that grows while it keeps
+        dying young)."""
+        while True:
+            process = worker.process
+            assert process is not None
+            status = await process.wait()
+            if self._stopping or stop.is_set():
+                return
+            self._set_serving(worker, False)
+            lived = time.monotonic() - worker.started_at
+            worker.failures = 0 if lived > 60 else worker.failures + 1
+            delay = _RESTART_DELAYS[min(worker.failures, len(_RESTART_DELAYS) - 1)]
+            logger.error("worker %d (pid %d) exited with %s; restarting it in %.1f s", worker.index, process.pid,
+                         status, delay)
+            await asyncio.sleep(delay)
+            if self._stopping or stop.is_set():
+                return
+            await self._spawn(worker)
+
+    async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> bool:
+        """SIGTERM to every worker (each drains as a single server does), then wait; True when all exited 0."""
+        self._stopping = True
+        self._send_ready()
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGTERM)
+        deadline = self.settings.exit_timeout_secs + _STOP_GRACE_SECS
+        processes = [w.process for w in self.workers if w.process is not None]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in processes)), deadline)
+        except asyncio.TimeoutError:  # not the builtin before 3.11
+            logger.warning("workers still running %.0f s after SIGTERM are killed", deadline)
+            self._kill_all()
+            await asyncio.gather(*(p.wait() for p in processes))
+        for watcher in watchers:
+            watcher.cancel()
+        return all(p.returncode == 0 for p in processes)
+
+    def _kill_all(self) -> None:
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
+
+    def _reload_tls(self) -> None:
+        """SIGHUP: every worker re-reads its certificates, and so does the metrics endpoint."""
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGHUP)
+        if self._metrics is not None and self._metrics.serves_tls:
+            self._metrics.reload_tls()
+
+    # ---- readiness -----------------------------------------------------------------------------------
+
+    def _set_serving(self, worker: _Worker, serving: bool) -> None:
+        worker.serving = serving
+        self._changed.set()
+        self._send_ready()
+
+    def _send_ready(self) -> None:
+        """Every worker answers ready only while all of them serve (and the server is not stopping)."""
+        ready = not self._stopping and all(w.serving for w in self.workers)
+        if ready != self._ready_sent:
+            self._ready_sent = ready
+            for worker in self.workers:
+                if worker.peer is not None:
+                    worker.peer.notify("server_ready", ready)
+
+    # ---- calls from the workers ----------------------------------------------------------------------
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer: Peer | None = None
+
+        async def handle(method: str, args: tuple[Any, ...]) -> Any:
+            assert peer is not None
+            return await self._handle(peer, method, args)
+
+        peer = Peer(reader, writer, handle)
+        peer.start()
+        await peer.closed.wait()
+        for worker in self.workers:
+            if worker.peer is peer:
+                worker.peer = None
+                self._set_serving(worker, False)
+
+    async def _handle(self, peer: Peer, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "join":
+            return await self._join(peer, args[0])
+        if method == "serving":
+            self._set_serving(self.workers[args[0]], True)
+            return None
+        if method == "broadcast":
+            return await self._broadcast(*args)
+        if method == "gather":
+            return await self._gather(*args)
+        if method == "forward_sequence":
+            return await self._forward_sequence(*args)
+        raise InternalError(f"unknown call '{method}' from a worker")
+
+    async def _join(self, peer: Peer, index: int) -> None:
+        """A worker that has loaded its initial models gets the control calls the server ran since it started,
+        then takes part in every later one."""
+        async with self._control:
+            for method, args in list(self._replay.values()):
+                try:
+                    await peer.call("control", method, args)
+                except GeserveError as exc:  # it failed on the others too when it ran (a bad config, say)
+                    logger.info("worker %d: replayed %s failed: %s", index, method, exc.message)
+            self.workers[index].peer = peer
+        peer.notify("server_ready", bool(self._ready_sent))
+
+    def _joined(self) -> list[tuple[int, Peer]]:
+        return [(w.index, w.peer) for w in self.workers if w.peer is not None]
+
+    async def _broadcast(self, origin: int, method: str, args: tuple[Any, ...]) -> Any:
+        """One control call of the server: run on every worker at once; the worker it came to answers. A worker
+        that fails where the first did not, fails the call with its reason; one that exits meanwhile is
+        restarted with the call replayed."""
+        async with self._control:
+            joined = self._joined()
+            results = await asyncio.gather(
+                *(peer.call("control", method, args) for _, peer in joined), return_exceptions=True
+            )
+            if method in _REPLAYED:
+                self._record(method, args)
+        by_worker = dict(zip((index for index, _ in joined), results, strict=True))
+        mine = by_worker.pop(origin, None)
+        if isinstance(mine, BaseException):
+            raise mine
+        for index, result in by_worker.items():
+            if isinstance(result, GeserveError) and not isinstance(result, PeerGone):
+                raise type(result)(f"worker {index}: {result.message}")
+        return mine
+
+    def _record(self, method: str, args: tuple[Any, ...]) -> None:
+        """Keep what a joining worker must replay: the latest call per model and per region, the log settings."""
+        if method in ("load_model", "unload_model"):
+            key = ("model", args[0])
+        elif method == "unregister_shared_memory" and not args[0]:  # every region
+            for stale in [k for k in self._replay if k[0] == "region"]:
+                del self._replay[stale]
+            return
+        elif method in ("register_shared_memory", "unregister_shared_memory"):
+            key = ("region", args[0])
+        else:
+            key = ("log", str(len(self._replay)))  # each change in turn: later ones override earlier ones
+        self._replay.pop(key, None)
+        self._replay[key] = (method, args)
+
+    async def _gather(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        return list(await asyncio.gather(*(peer.call("control", method, args) for _, peer in self._joined())))
+
+    async def _forward_sequence(self, origin: int, request: Any) -> Any:
+        """The worker that holds the request's sequence runs it; None when none does."""
+        for index, peer in self._joined():
+            if index != origin:
+                with contextlib.suppress(PeerGone):
+                    response = await peer.call("run_forwarded", request)
+                    if response is not None:
+                        return response
+        return None
+
+    # ---- metrics ---------------------------------------------------------------------------------------
+
+    async def _start_metrics(self) -> None:
+        """The metrics port is the supervisor's: every worker's families added up, and the CPU's once."""
+        settings = self.settings
+        if not settings.allow_metrics:
+            return
+        if settings.allow_cpu_metrics:
+            sampler = CpuSampler()
+            self._cpu = sampler if sampler.available else None
+        try:
+            tls = tls_files("--http", settings.http_use_ssl, settings.http_use_ssl_mutual,
+                            settings.http_server_cert, settings.http_server_key, settings.http_root_cert)
+        except TlsError as exc:  # the workers started with these files: only a change since then gets here
+            raise OSError(str(exc)) from None
+        address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
+        options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms, tls)
+        self._metrics = MetricsService(self._exposition, options, self._cpu)
+        await self._metrics.start()
+
+    async def _exposition(self) -> bytes:
+        texts = await asyncio.gather(
+            *(peer.call("metrics") for _, peer in self._joined()), return_exceptions=True
+        )
+        merged = merge_expositions([t.decode() for t in texts if isinstance(t, bytes)])
+        reading = self._cpu.latest if self._cpu is not None else None
+        return merged + (render_families(cpu_families(reading)) if reading is not None else b"")
