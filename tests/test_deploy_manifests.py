@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import ssl
@@ -88,6 +89,15 @@ def flags(args: list[str]) -> dict[str, list[str]]:
             name, _, value = arg.partition("=")
             found.setdefault(name, []).append(value)
     return found
+
+
+def workers_from_request(main: dict[str, Any], variable: dict[str, Any]) -> int:
+    """The value Kubernetes gives GESERVE_WORKERS: the container's CPU request, rounded up to whole CPUs."""
+    field = variable["valueFrom"]["resourceFieldRef"]
+    assert variable["name"] == "GESERVE_WORKERS"
+    assert (field["containerName"], field["resource"], field["divisor"]) == (main["name"], "requests.cpu", "1")
+    request = str(main["resources"]["requests"]["cpu"])
+    return math.ceil(int(request[:-1]) / 1000 if request.endswith("m") else float(request))
 
 
 def k8s_validate(doc: dict[str, Any]) -> None:
@@ -220,6 +230,11 @@ def test_the_kserve_runtime_maps_kserves_ports_and_store() -> None:
     assert args.model_repositories == [Path("/mnt/models")]
     assert (args.http_port, args.grpc_port, args.metrics_port) == (8080, 9000, 8002)
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == "8002"
+    # --workers follows the CPU request on both ways of deploying (the node's core count otherwise).
+    for main in (runtime_container(), container(deployment())):
+        (workers,) = [v for v in main["env"] if v["name"] == "GESERVE_WORKERS"]
+        assert workers_from_request(main, workers) == 2
+        assert "--workers" not in flags(main["args"])
     # The dashboard needs the same metrics switches on both ways of deploying.
     assert flags(runtime_container()["args"])["--metrics-config"] == flags(container(deployment())["args"])[
         "--metrics-config"]
@@ -342,6 +357,8 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     for variable in main["env"]:
         if "value" in variable:
             env[variable["name"]] = rewrite(variable["value"], mounts)
+        elif "resourceFieldRef" in variable["valueFrom"]:
+            env[variable["name"]] = str(workers_from_request(main, variable))
         else:
             reference = variable["valueFrom"]["configMapKeyRef"]
             assert reference["name"] == configmap["metadata"]["name"]
