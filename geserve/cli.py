@@ -193,6 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     for action in serve._actions:  # an option not given must not hide a GESERVE_* variable
         if action.dest != "help":
             action.default = argparse.SUPPRESS
+    ray_serve = commands.add_parser(
+        "ray-serve", help="serve the repositories as a Ray Serve deployment (replicas across a Ray cluster)",
+        allow_abbrev=False,
+    )
+    _add_serve_arguments(ray_serve)
+    for action in ray_serve._actions:  # as for serve: an option not given must not hide a GESERVE_* variable
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    from geserve.integrations.ray_options import add_arguments as add_ray_arguments
+
+    add_ray_arguments(ray_serve)
     _add_compile_arguments(
         commands.add_parser("compile", help="compile a model into a .gem package (atc)", allow_abbrev=False)
     )
@@ -222,6 +233,26 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return settings
 
 
+def _ray_serve(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """`geserve ray-serve`: the same settings, deployed as Ray Serve replicas (geserve/integrations)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s] %(message)s")
+    try:
+        from geserve.integrations.ray_options import RayOptionsError, options_from_args
+        from geserve.integrations.ray_serve import run as run_ray_serve
+    except ImportError as exc:
+        print(f"error: geserve ray-serve needs Ray Serve (pip install 'geserve[ray]'): {exc}", file=sys.stderr)
+        return 1
+    try:
+        options = options_from_args(args)
+    except RayOptionsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if not settings.model_repositories:
+        print("error: at least one --model-repository is required", file=sys.stderr)
+        return 1
+    return run_ray_serve(settings, options, args.proxy_location, args.detach)
+
+
 def _install_event_loop_policy() -> None:
     try:
         import uvloop
@@ -241,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_compare(args)
     settings = settings_from_args(args)
+    if args.command == "ray-serve":
+        return _ray_serve(args, settings)
     quiet = not getattr(args, "log_info", True)
     logging.basicConfig(
         level=logging.DEBUG if settings.log_verbose else (logging.WARNING if quiet else logging.INFO),

@@ -20,7 +20,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "geserve"
 # backend in backends/ (each registers itself in its package's registry).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the composition root: builds everything from settings and starts the frontends
-    ("geserve", "geserve.__main__", "geserve.cli", "geserve.server"),
+    ("geserve", "geserve.__main__", "geserve.cli", "geserve.server",
+     "geserve.integrations"),  # other hosts of the same core (Ray Serve): composition roots too
     # wire <-> core types, nothing else
     ("geserve.frontends",),
     # the one front door: every call, any protocol; the scrape-time collector reads models the same way
