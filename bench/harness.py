@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from geserve.devices import threads_per_instance  # noqa: E402
+from geserve.tune.machine import others_share  # noqa: E402  (other processes' CPU share, from /proc)
+from geserve.tune.machine import wait_for_quiet as machine_quiet  # noqa: E402
 from geserve.version import __version__ as geserve_version  # noqa: E402
 from tests.support import reference  # noqa: E402
 from tests.support.server import geserve  # noqa: E402
@@ -58,7 +60,6 @@ PROTOCOLS = ("http", "grpc")
 DB_SUFFIX = "_db"  # geserve serves each model twice: as configured, and with `dynamic_batching {}` added
 NUMPY_TYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_INT64": np.int64, "TYPE_INT32": np.int32}
 BUSY_LIMIT = 0.15  # share of the CPUs used by other processes above which a measurement is redone
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
 
@@ -244,50 +245,9 @@ def perf_analyzer(endpoint: Endpoint, model: str, concurrency: int, window_ms: i
 # ------------------------------------------------------------------------------------------ servers
 
 
-def machine_busy_s() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    total = sum(values[:8])  # guest time is already inside user
-    return (total - values[3] - values[4]) / CLOCK_TICKS, total / CLOCK_TICKS
-
-
-def own_cpu_s() -> float:
-    """CPU seconds used by this process and all its descendants (servers, stubs, perf_analyzer)."""
-    stats: dict[int, tuple[int, float]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # the process ended while we looked
-        stats[int(stat.parent.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / CLOCK_TICKS)
-    tree, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier} - tree
-        tree |= frontier
-    own = os.times()
-    return own.user + own.system + own.children_user + own.children_system + sum(stats[p][1] for p in tree)
-
-
-@contextmanager
-def others_share() -> Iterator[list[float]]:
-    """Yields a list that receives, on exit, the share of the machine's CPUs used by processes not ours."""
-    result: list[float] = []
-    (busy0, total0), own0 = machine_busy_s(), own_cpu_s()
-    yield result
-    (busy1, total1), own1 = machine_busy_s(), own_cpu_s()
-    share = ((busy1 - busy0) - (own1 - own0)) / max(1e-9, total1 - total0)
-    result.append(min(1.0, max(0.0, share)))  # clamped: /proc snapshots of exiting processes can race
-
-
 def wait_for_quiet(max_wait_s: float) -> bool:
     """Wait (up to ``max_wait_s``) until others use at most BUSY_LIMIT of the CPUs over half a second."""
-    deadline = time.monotonic() + max_wait_s
-    while time.monotonic() < deadline:
-        with others_share() as share:
-            time.sleep(0.5)
-        if share[0] <= BUSY_LIMIT:
-            return True
-    return False
+    return machine_quiet(BUSY_LIMIT, max_wait_s)
 
 
 def model_repository(models: list[str], dest: Path) -> Path:

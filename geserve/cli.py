@@ -212,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(commands.add_parser(
         "compare", help="compare an output array with a golden one (npu_compare)", allow_abbrev=False
     ))
+    from geserve.tune.command import add_arguments as add_tune_arguments
+
+    add_tune_arguments(commands.add_parser(
+        "tune", help="sweep a model's serving configuration with perf_analyzer (Model Analyzer)", allow_abbrev=False
+    ))
     return parser
 
 
@@ -271,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         from geserve.compiler.compare import run as run_compare
 
         return run_compare(args)
+    if args.command == "tune":
+        from geserve.tune.command import run as run_tune
+
+        return run_tune(args)
     settings = settings_from_args(args)
     if args.command == "ray-serve":
         return _ray_serve(args, settings)

@@ -22,6 +22,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the composition root: builds everything from settings and starts the frontends
     ("geserve", "geserve.__main__", "geserve.cli", "geserve.server",
      "geserve.integrations"),  # other hosts of the same core (Ray Serve): composition roots too
+    # tools that drive a server from outside (`geserve tune` starts one and measures it with perf_analyzer)
+    ("geserve.tune",),
     # wire <-> core types, nothing else
     ("geserve.frontends",),
     # the one front door: every call, any protocol; the scrape-time collector reads models the same way

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from geserve.tune import perf_analyzer
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAIN_VENV = REPO_ROOT / ".venv"
 REF_VENV = REPO_ROOT / ".venv-ref"
@@ -41,8 +43,7 @@ def _prepend_path(env: dict[str, str], key: str, *dirs: Path | str) -> None:
 
 
 def _site_packages(venv: Path) -> Path | None:
-    found = sorted(venv.glob("lib/python3*/site-packages"))
-    return found[0] if found else None
+    return perf_analyzer.site_packages(venv)
 
 
 def tritonserver_dir() -> Path:
@@ -56,25 +57,8 @@ def tritonserver_binary() -> Path:
 
 
 def perf_analyzer_path() -> Path:
-    return MAIN_VENV / "bin" / "perf_analyzer"
-
-
-def _cuda_runtime_lib_dir() -> Path | None:
-    """Directory of ``libcudart.so.12`` from the ``nvidia-cuda-runtime-cu12`` wheel."""
-    candidates: list[Path] = []
-    try:
-        import nvidia.cuda_runtime as cuda_runtime  # type: ignore[import-not-found]
-
-        candidates += [Path(p) / "lib" for p in cuda_runtime.__path__]
-    except ImportError:
-        pass
-    site = _site_packages(MAIN_VENV)
-    if site is not None:
-        candidates.append(site / "nvidia" / "cuda_runtime" / "lib")
-    for cand in candidates:
-        if any(cand.glob("libcudart.so.12*")):
-            return cand
-    return None
+    """The main venv's perf_analyzer (the product's search: geserve/tune/perf_analyzer.py)."""
+    return perf_analyzer.perf_analyzer_path(MAIN_VENV)
 
 
 @functools.cache
@@ -110,23 +94,12 @@ def perf_analyzer_command() -> list[str]:
 
 def perf_analyzer_env() -> dict[str, str]:
     """Environment for perf_analyzer: ``LD_LIBRARY_PATH`` gains the wheel's libcudart directory."""
-    env = dict(os.environ)
-    cudart = _cuda_runtime_lib_dir()
-    if cudart is not None:
-        _prepend_path(env, "LD_LIBRARY_PATH", cudart)
-    return env
+    return perf_analyzer.perf_analyzer_env(MAIN_VENV)
 
 
 def run_perf_analyzer(args: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run perf_analyzer with ``args``; output captured as text, never raises on a non-zero exit."""
-    return subprocess.run(
-        [*perf_analyzer_command(), *args],
-        env=perf_analyzer_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return perf_analyzer.run_perf_analyzer(args, timeout, MAIN_VENV)
 
 
 # ------------------------------------------------------------------ ONNX -> Python-backend repository
