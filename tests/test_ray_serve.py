@@ -310,9 +310,11 @@ print(before[0]); print(",".join(now))
         return sum(1 for t in finished if start <= t < end) / (end - start)
 
     baseline = rate(*baseline_window)
-    # the first 2-second window after the kill whose throughput is back to half the baseline or more
-    back = next((t for t in np.arange(killed_at, killed_at + 30, 0.5) if rate(t, t + 2) >= 0.5 * baseline), None)
-    assert back is not None and back - killed_at <= 30, (baseline, [rate(t, t + 2) for t in range(3)])
+    # the first 2-second window after the kill whose throughput is back to 70% of the baseline or more (the
+    # surviving replica carries the load meanwhile: on two cores one replica nearly keeps up with two)
+    back = next((t for t in np.arange(killed_at, killed_at + 30, 0.5) if rate(t, t + 2) >= 0.7 * baseline), None)
+    after = [round(rate(t, t + 2)) for t in np.arange(killed_at, killed_at + 30, 2)]
+    assert back is not None and back - killed_at <= 30, (baseline, after)
     print(f"baseline {baseline:.0f} req/s; back at {back - killed_at:.1f} s after the kill; {retried} retries")
     # the replacement took the killed replica's rank: both metrics endpoints answer again
     _wait_ready(deployment, timeout=30)

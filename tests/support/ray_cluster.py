@@ -103,6 +103,7 @@ def ray_cluster(temp_dir: Path, cpus: Sequence[float] = (1, 1), timeout: float =
         cluster.nodes.append(_start_node([
             "--head", f"--port={gcs_port}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus[0]}",
             "--num-gpus=0", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+            f"--dashboard-port={free_port()}",  # its minimal head starts even without the dashboard, on 8265
             f"--temp-dir={temp_dir}", "--object-store-memory=100000000", *_node_ports(),
         ], log))
         _wait_nodes(cluster.address, 1, cluster.nodes, log, timeout)
