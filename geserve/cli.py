@@ -137,6 +137,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cache-config", action="append", type=_cache_config, default=[], metavar="<cache>,<setting>=<value>",
         help="the response cache, e.g. local,size=1048576 (bytes); models opt in with response_cache { enable: true }")
     add("--log-verbose", type=int, nargs="?", const=1, default=0)
+    add("--trace-config", dest="trace_config", action="append", default=[], metavar="[<mode>,]<setting>=<value>",
+        help="Triton's tracing: rate=N, level=TIMESTAMPS|TENSORS, count=N, mode=triton|opentelemetry, "
+             "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL (repeatable; README Tracing)")
     # Security (README "Security"): Triton's restricted APIs, then geserve's own token auth and audit log.
     add("--http-restricted-api", action="append", default=[], metavar="<groups>:<header>=<value>",
         help="calls of these API groups (comma-separated: health, metadata, inference, shared-memory, model-config, "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 _ENV_PREFIX = "GESERVE_"
-_SEMICOLON_LISTS = ("http_restricted_api", "grpc_restricted_protocol")
+_SEMICOLON_LISTS = ("http_restricted_api", "grpc_restricted_protocol", "trace_config")
 
 
 @dataclass(slots=True)
@@ -58,6 +58,9 @@ class ServerSettings:
     """Triton's --cache-config=<cache>,<key>=<value> (repeatable), by cache: `local,size=<bytes>` turns the response
     cache on for the models whose config enables `response_cache` (service/response_cache.py)."""
     log_verbose: int = 0
+    trace_config: list[str] = field(default_factory=list)
+    """Triton's --trace-config=[<mode>,]<setting>=<value> (repeatable): rate, level, count, mode; triton,file /
+    triton,log-frequency; opentelemetry,url / resource / bsp_* (README "Tracing"). ';' separates in the env."""
     http_max_input_size: int = 64 * 1024 * 1024
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
     http_server: str = "native"

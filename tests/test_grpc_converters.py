@@ -17,7 +17,8 @@ from geserve.errors import (
     UnsupportedError,
 )
 from geserve.frontends.grpc import converters as convert
-from geserve.service.runtime_settings import LogSettings, TraceSettings
+from geserve.service.runtime_settings import LogSettings
+from geserve.service.tracing.settings import TraceSettings
 from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.types import InferenceResponse, OutputTensor
 
@@ -105,8 +106,10 @@ def test_log_and_trace_settings_validate_then_apply() -> None:
     assert trace.update({"trace_rate": ["5"]}, "m")["trace_rate"] == ["5"]
     assert trace.get()["trace_rate"] == ["1000"]
     assert trace.update({"trace_rate": []}, "m")["trace_rate"] == ["1000"]
-    with pytest.raises(UnsupportedError):
+    with pytest.raises(InvalidArgumentError, match="trace file name is not given"):  # no --trace-config file
         trace.update({"trace_level": ["TIMESTAMPS"]})
+    with pytest.raises(UnsupportedError, match="trace file location can not be updated"):
+        trace.update({"trace_file": ["/tmp/x.json"]})
 
 
 def test_registry_real_dev_shm_round_trip() -> None:

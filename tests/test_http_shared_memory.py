@@ -304,7 +304,8 @@ def test_trace_settings(client: httpclient.InferenceServerClient) -> None:
         _refused(lambda: client.update_trace_settings(settings={"trace_rate": 5}), "400",
                  "attempt to access JSON non-string as string")
         _refused(lambda: client.get_trace_settings("nope"), "400", "Request for unknown model : nope")
-        _refused(lambda: client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}), "501")
+        _refused(lambda: client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}), "400",
+                 "Attempting to set invalid trace setting :trace file name is not given")  # Triton's, without a file
     finally:
         client.update_trace_settings(settings={"trace_rate": None})
     assert client.get_trace_settings() == TRACE_DEFAULTS

@@ -78,10 +78,32 @@ def run(args: argparse.Namespace) -> int:
         if args.check:
             for line in check(options, onnx_bytes, args.check_data):
                 print(line)
+        if options.target == "cuda" and key is None:
+            print(f"TensorRT engine cache ready in {prepare_tensorrt(options, onnx_bytes)}")
         return EXIT_OK
     except CompilerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def prepare_tensorrt(options: CompileOptions, onnx_bytes: bytes) -> str:
+    """Build the compiled graph's TensorRT engine into the cache a GPU load of it looks in (geserve.devices.tensorrt):
+    batch 1 to the largest gear, precision from the compile's. An encrypted package gets no cache (its engine would
+    hold the weights in the clear), so nothing is prepared for one."""
+    import onnx
+
+    from geserve.devices import tensorrt
+    from geserve.errors import GeserveError
+
+    inputs = onnx.load_from_string(onnx_bytes).graph.input if not options.batch_gears else []
+    if any(i.type.tensor_type.shape.dim and not i.type.tensor_type.shape.dim[0].HasField("dim_value") for i in inputs):
+        raise CompilerError("--target cuda: the graph's batch dimension is dynamic; give --dynamic-batch-size, whose "
+                            "largest gear is the largest batch of the TensorRT engine (keep max_batch_size at it)")
+    precision = tensorrt.precision_of("", options.precision_mode, options.quantize)
+    try:
+        return str(tensorrt.prepare_engine_cache(onnx_bytes, precision, max(options.batch_gears, default=0)))
+    except GeserveError as exc:
+        raise CompilerError(f"the package is written, but {exc}") from None
 
 
 def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: int = 0) -> list[str]:

@@ -287,6 +287,7 @@ class _Execution:
             step.model, step.version, inputs, outputs, id=request.id, parameters=request.parameters,
             priority=request.priority, timeout_us=request.timeout_us, compute=self.compute,
             identity=request.identity,  # the caller of the ensemble is the caller of its steps (Python models read it)
+            trace=None if request.trace is None else request.trace.child(),  # a step of a traced ensemble is traced
         )))
 
     def _answer(self) -> None:

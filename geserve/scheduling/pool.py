@@ -168,6 +168,10 @@ class InstancePool:
         for request in requests:
             if request.compute is not None:
                 request.compute.add_times(compute)
+            if request.trace is not None:  # a request the service traces: the times taken above, once per execution
+                index = requests.index(request)
+                queued = enqueued_ns[index] if index < len(enqueued_ns) else started
+                request.trace.executed(queued, started, time.monotonic_ns(), compute, requests)
         return execution.results
 
     async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:

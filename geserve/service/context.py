@@ -51,6 +51,10 @@ class CallContext:
     # The group a frontend admitted this call for ahead of reading its body (`InferenceService.admit_ahead`): the
     # service's own admission of the call then passes, so a call's policies run once.
     admitted: ApiGroup | None = None
+    # Tracing (service/tracing/), only while it is on: the frontend's receive times, taken before the service sees the
+    # call; and the trace of a traced request the frontend answers, handed back for its send times.
+    trace_marks: list[tuple[str, int]] | None = None
+    trace: FrontendTrace | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -68,6 +72,16 @@ class CallContext:
 
 
 IN_PROCESS = CallContext(Transport.IN_PROCESS)
+
+
+class FrontendTrace(Protocol):
+    """A traced request's trace, as the frontend that answers it sees it (service/tracing/trace.py)."""
+
+    def mark(self, name: str) -> None:
+        """A timestamp named as Triton names it (HTTP_SEND_START, ...), taken now."""
+
+    def finish(self, name: str) -> None:
+        """The last timestamp, taken now: the trace is complete."""
 
 
 class CallPolicy(Protocol):

@@ -1,4 +1,4 @@
-"""Log and trace settings a client reads and changes at run time (Triton's logging and trace extensions)."""
+"""Log settings a client reads and changes at run time (Triton's logging extension; tracing is service/tracing/)."""
 
 from __future__ import annotations
 
@@ -55,44 +55,3 @@ class LogSettings:
         if values["log_warning"]:
             return logging.WARNING
         return logging.ERROR if values["log_error"] else logging.CRITICAL + 1
-
-
-TRACE_DEFAULTS: dict[str, list[str]] = {
-    "trace_rate": ["1000"], "trace_mode": ["triton"], "trace_level": ["OFF"], "trace_file": [""],
-    "trace_count": ["-1"], "log_frequency": ["0"],
-}
-_TRACE_INTEGERS = ("trace_rate", "trace_count", "log_frequency")
-
-
-class TraceSettings:
-    """Trace settings, global and per model, kept and reported as Triton does; geserve itself never traces,
-    so a trace level other than OFF is refused rather than silently ignored."""
-
-    def __init__(self) -> None:
-        self._global: dict[str, list[str]] = {k: list(v) for k, v in TRACE_DEFAULTS.items()}
-        self._models: dict[str, dict[str, list[str]]] = {}
-
-    def get(self, model: str = "") -> dict[str, list[str]]:
-        return {**self._global, **self._models.get(model, {})} if model else dict(self._global)
-
-    def update(self, changes: dict[str, list[str]], model: str = "") -> dict[str, list[str]]:
-        """An empty list clears a setting: a model's falls back to the global one, the global one to the default."""
-        for key, values in changes.items():
-            if key in _TRACE_INTEGERS and values:
-                try:
-                    int(values[0])
-                except ValueError:
-                    raise InvalidArgumentError(f"Unable to parse '{key}', got: {values[0]}") from None
-            if key == "trace_level" and any(v != "OFF" for v in values):
-                raise UnsupportedError("geserve does not trace requests: 'trace_level' can only be OFF")
-        target = self._models.setdefault(model, {}) if model else self._global
-        for key, values in changes.items():
-            if key not in TRACE_DEFAULTS:
-                continue
-            if values:
-                target[key] = list(values)
-            elif model:
-                target.pop(key, None)
-            else:
-                target[key] = list(TRACE_DEFAULTS[key])
-        return self.get(model)

@@ -37,7 +37,7 @@ from geserve.service.model_files import DEFAULT_MAX_FILE_BYTES, check_model_name
 from geserve.service.parameters import apply_parameters
 from geserve.service.raw_input import expand_raw_input
 from geserve.service.response_cache import ResponseCache
-from geserve.service.runtime_settings import LogSettings, LogValue, TraceSettings
+from geserve.service.runtime_settings import LogSettings, LogValue
 from geserve.service.shared_memory import (
     CudaRegionStatus,
     OutputPlacementError,
@@ -46,6 +46,7 @@ from geserve.service.shared_memory import (
 )
 from geserve.service.validation import prepare
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.service.tracing.tracer import Tracing
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.types.wire import tensor_bytes
 from geserve.version import __version__
@@ -91,7 +92,7 @@ class InferenceService:
         strict_readiness: bool,
         shared_memory: SharedMemoryRegistry | None = None,
         log_settings: LogSettings | None = None,
-        trace_settings: TraceSettings | None = None,
+        tracing: Tracing | None = None,
         policies: Sequence[CallPolicy] = (),
         server_name: str = SERVER_NAME,
         audit: AuditLog | None = None,
@@ -103,7 +104,9 @@ class InferenceService:
         self._strict = strict_readiness
         self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry(False)
         self._log = log_settings if log_settings is not None else LogSettings()
-        self._trace = trace_settings if trace_settings is not None else TraceSettings()
+        self._trace = tracing if tracing is not None else Tracing()
+        # The tracing while any trace setting can trace a request, else None: all an untraced request pays.
+        self.tracer: Tracing | None = self._trace if self._trace.on else None
         self.policies = list(policies)
         self.audit = audit
         self.response_cache = response_cache  # Triton's response cache (--cache-config); None without one
@@ -260,7 +263,12 @@ class InferenceService:
                 raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
             started = time.monotonic_ns()
             self._prepare(model, request, context)  # a request the model never sees is no failure of the model's
-            response = await self._execute(model, request, started)
+            tracer = self.tracer
+            if tracer is None:
+                response = await self._execute(model, request, started)
+            else:
+                frontend = context.transport is not _IN_PROCESS
+                response = await tracer.run(model, request, context, started, self._execute, frontend)
             self._place_outputs(request, response)
             return response
         finally:
@@ -278,7 +286,11 @@ class InferenceService:
             started = time.monotonic_ns()
             self._prepare(model, request, context)
             if not model.decoupled:
-                response = await self._execute(model, request, started)
+                tracer = self.tracer
+                if tracer is None:
+                    response = await self._execute(model, request, started)
+                else:  # a stream's responses carry no frontend times: the trace ends with the request
+                    response = await tracer.run(model, request, context, started, self._execute, False)
                 self._place_outputs(request, response)
                 yield StreamResponse(response, final=True)
                 return
@@ -495,7 +507,15 @@ class InferenceService:
                     self._manager.get(model)
                 except NotFoundError:
                     raise InvalidArgumentError(f"Request for unknown model : {model}") from None
-            return self._trace.update(changes, model) if changes else self._trace.get(model)
+            if not changes:
+                return self._trace.settings.get(model)
+            values = self._trace.settings.update(changes, model, context.transport is Transport.GRPC)
+            self.tracer = self._trace if self._trace.on else None
+            return values
+
+    def close_tracing(self) -> None:
+        """Write the trace file, or export the spans still queued (the server is stopping)."""
+        self._trace.close()
 
     def log_settings(
         self, changes: dict[str, LogValue] | None = None, context: CallContext = IN_PROCESS

@@ -8,6 +8,7 @@ from typing import Any
 from geserve.errors import GeserveError
 from geserve.types.streams import ResponseStream
 from geserve.types.tensors import InputTensor, RequestedOutput
+from geserve.types.tracing import RequestTrace
 
 
 def id_prefix(request_id: str) -> str:
@@ -64,3 +65,6 @@ class InferenceRequest:
     # already running it can poll this (a Python model's `request.is_cancelled()`) to stop early. Read from model
     # threads without a lock: it only ever turns True.
     cancelled: bool = False
+    # Set by the service on a request it traces (--trace-config, the trace settings); an ensemble's steps get a child
+    # of their ensemble's. The scheduler reports the execution the request ran in there.
+    trace: RequestTrace | None = None

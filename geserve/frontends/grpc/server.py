@@ -180,7 +180,17 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)
         decoded = self._decode(request)
         response = await self._service.infer(decoded.request, call)
-        return convert.to_model_infer_response(response, decoded.request)
+        traced = self._service.tracer is not None  # gRPC read the message before this runs: the decoding is timed
+        read_start = time.monotonic_ns() if traced else 0
+        trace = call.trace  # set only on a request the service traced
+        if trace is None:
+            return convert.to_model_infer_response(response, decoded.request)
+        trace.mark("GRPC_SEND_START")  # the encoding; gRPC writes the message after this returns
+        message = convert.to_model_infer_response(response, decoded.request)
+        trace.finish("GRPC_SEND_END")
+        return message
+        if traced:
+            call.trace_marks = [("GRPC_WAITREAD_START", read_start), ("GRPC_WAITREAD_END", time.monotonic_ns())]
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import logging
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -83,8 +84,9 @@ class HttpFrontend:
         if scope["type"] != "http":
             return
         headers = dict(scope["headers"])
+        context = _context(scope)
         try:
-            status, body, content_type, extra = await self._dispatch(scope, receive, headers, _context(scope))
+            status, body, content_type, extra = await self._dispatch(scope, receive, headers, context)
         except ClientDisconnected:
             return
         except GeserveError as exc:
@@ -96,8 +98,13 @@ class HttpFrontend:
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             status, body, content_type, extra = 500, _error_body(f"internal error: {exc}"), _JSON, []
         response_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]
+        trace = context.trace  # set only on a request the service traced
+        if trace is not None:
+            trace.mark("HTTP_SEND_START")
         await send({"type": "http.response.start", "status": status, "headers": response_headers})
         await send({"type": "http.response.body", "body": body})
+        if trace is not None:
+            trace.finish("HTTP_SEND_END")
 
     async def _dispatch(
         self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], context: CallContext
@@ -266,8 +273,12 @@ class HttpFrontend:
         # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
         # does not admit the call again; the faults of the body still come after the model's lookup.
         self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
+        traced = self._service.tracer is not None  # the receive times of a request the service may trace
+        receive_start = time.monotonic_ns() if traced else 0
         try:
             body = await self._read_body(receive, headers)
+            if traced:
+                context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
             length = _header_length(headers, len(body))
             request = decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
         except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body

@@ -1,0 +1,1 @@
+"""Request tracing (Triton's trace extension): which requests are traced, and their trace file or OTLP spans."""
