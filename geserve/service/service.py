@@ -44,9 +44,9 @@ from geserve.service.shared_memory import (
     RegionStatus,
     SharedMemoryRegistry,
 )
+from geserve.service.tracing.tracer import Tracing
 from geserve.service.validation import prepare
 from geserve.types import InferenceRequest, InferenceResponse
-from geserve.service.tracing.tracer import Tracing
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.types.wire import tensor_bytes
 from geserve.version import __version__

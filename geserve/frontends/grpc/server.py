@@ -178,10 +178,12 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         call = call_context(context)
         # Admitted before its tensors are decoded: a caller who may not infer costs no decoding (and once only).
         self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)
-        decoded = self._decode(request)
-        response = await self._service.infer(decoded.request, call)
         traced = self._service.tracer is not None  # gRPC read the message before this runs: the decoding is timed
         read_start = time.monotonic_ns() if traced else 0
+        decoded = self._decode(request)
+        if traced:
+            call.trace_marks = [("GRPC_WAITREAD_START", read_start), ("GRPC_WAITREAD_END", time.monotonic_ns())]
+        response = await self._service.infer(decoded.request, call)
         trace = call.trace  # set only on a request the service traced
         if trace is None:
             return convert.to_model_infer_response(response, decoded.request)
@@ -189,8 +191,6 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         message = convert.to_model_infer_response(response, decoded.request)
         trace.finish("GRPC_SEND_END")
         return message
-        if traced:
-            call.trace_marks = [("GRPC_WAITREAD_START", read_start), ("GRPC_WAITREAD_END", time.monotonic_ns())]
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]
