@@ -371,7 +371,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     server = RunningServer(process, ours["--http-port"], log, ours["--grpc-port"], ours["--metrics-port"])
     found = Deployed(server, ca, key, configmap["data"]["audience"], configmap["data"]["issuer"], ports)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # two worker processes importing on a busy 2-core machine: 10-40 s
         while not _ready(found):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"geserve did not become ready (exit {process.poll()}):\n{server.log()[-4000:]}")
