@@ -184,7 +184,8 @@ def test_trace_file_timestamps_tensors_and_ensemble_children(traced: tuple[Runni
 
 def test_log_frequency_count_and_run_time_changes(repo: Path, tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
-    server = start_geserve([repo], tmp_path / "geserve.log", _trace_args(path, "--trace-config", "triton,log-frequency=2"))
+    args = _trace_args(path, "--trace-config", "triton,log-frequency=2")
+    server = start_geserve([repo], tmp_path / "geserve.log", args)
     try:
         http = httpclient.InferenceServerClient(server.url)
         http.infer("simple", _inputs(httpclient))

@@ -169,7 +169,7 @@ class InstancePool:
             if request.compute is not None:
                 request.compute.add_times(compute)
             if request.trace is not None:  # a request the service traces: the times taken above, once per execution
-                index = requests.index(request)
+                index = next(i for i, r in enumerate(requests) if r is request)  # not ==: requests hold arrays
                 queued = enqueued_ns[index] if index < len(enqueued_ns) else started
                 request.trace.executed(queued, started, time.monotonic_ns(), compute, requests)
         return execution.results
