@@ -90,7 +90,8 @@ class Server:
         except SecurityConfigError as exc:
             raise StartupError(str(exc)) from None
         try:  # Triton's --trace-config (service/tracing/)
-            tracing = Tracing(parse_trace_config(settings.trace_config))
+            worker = link.index if link is not None else None  # a worker of several writes a trace file of its own
+            tracing = Tracing(parse_trace_config(settings.trace_config), worker)
         except (TraceConfigError, OtelUnavailable) as exc:
             raise StartupError(str(exc)) from None
         # One shared memory registry and one set of log / trace settings behind every protocol.

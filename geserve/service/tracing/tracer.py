@@ -26,11 +26,14 @@ Execute = Callable[["LoadedModel", InferenceRequest, int], Awaitable[InferenceRe
 class Tracing:
     """The trace settings and where complete traces go (`mode=triton`: the trace file; `opentelemetry`: OTLP)."""
 
-    def __init__(self, config: TraceConfig | None = None) -> None:
+    def __init__(self, config: TraceConfig | None = None, worker: int | None = None) -> None:
+        """`worker`: this process's index among the server's workers (--workers), whose trace files are apart:
+        `<file>.w<index>` (each numbers its traces from 1)."""
         config = config or TraceConfig()
         self.settings = TraceSettings(config)
         self._otel = OtelExporter(config) if config.mode == "opentelemetry" else None
-        self._file = TraceFile(config.file) if config.mode == "triton" and config.file else None
+        path = config.file if worker is None else f"{config.file}.w{worker}"
+        self._file = TraceFile(path) if config.mode == "triton" and config.file else None
 
     @property
     def on(self) -> bool:
