@@ -18,8 +18,8 @@ from geserve.errors import (
 )
 from geserve.frontends.grpc import converters as convert
 from geserve.service.runtime_settings import LogSettings
-from geserve.service.tracing.settings import TraceSettings
 from geserve.service.shared_memory import SharedMemoryRegistry
+from geserve.service.tracing.settings import TraceSettings
 from geserve.types import InferenceResponse, OutputTensor
 
 

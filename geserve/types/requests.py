@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from geserve.errors import GeserveError
 from geserve.types.streams import ResponseStream
 from geserve.types.tensors import InputTensor, RequestedOutput
-from geserve.types.tracing import RequestTrace
 
 
 def id_prefix(request_id: str) -> str:
@@ -31,6 +31,26 @@ class ComputeTimes:
 
     def add_times(self, other: ComputeTimes) -> None:
         self.add(other.input_ns, other.infer_ns, other.output_ns)
+
+
+class RequestTrace(Protocol):
+    """One traced request's trace, as the layers below the service see it (service/tracing/trace.py): a sink for the
+    times they already take. Set on `InferenceRequest.trace` only for a request the service chose to trace, so an
+    untraced request costs the scheduler one attribute test."""
+
+    def executed(
+        self,
+        queue_start_ns: int,
+        compute_start_ns: int,
+        compute_end_ns: int,
+        compute: ComputeTimes,
+        batch: Sequence[InferenceRequest],
+    ) -> None:
+        """The execution this request ran in (monotonic ns): when it was queued, the compute span and its three
+        phases, and the requests that shared the batch."""
+
+    def child(self) -> RequestTrace:
+        """A trace for a request made on this one's behalf (an ensemble step), traced whatever the sampling."""
 
 
 @dataclass(slots=True)
