@@ -129,10 +129,10 @@ def _tensorrt_usable() -> bool:
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         return False
     try:  # the provider is listed even when TensorRT's libraries are missing; a session tells
-        ort.InferenceSession(str(_tiny_model()), providers=["TensorrtExecutionProvider"])
+        session = ort.InferenceSession(str(_tiny_model()), providers=["TensorrtExecutionProvider"])
     except Exception:
         return False
-    return True
+    return "TensorrtExecutionProvider" in session.get_providers()
 
 
 def _tiny_model() -> Path:

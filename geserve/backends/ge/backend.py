@@ -258,7 +258,7 @@ def _create_session(
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
     try:
-        return ort.InferenceSession(
+        session = ort.InferenceSession(
             graph if isinstance(graph, bytes) else str(graph),
             session_options,
             providers=[name for name, _ in target.providers],
@@ -266,3 +266,13 @@ def _create_session(
         )
     except Exception as exc:
         raise UnavailableError(f"onnxruntime could not load {path}: {exc}") from None
+    # A provider whose libraries fail to load (CUDA, cuDNN, TensorRT) is dropped with a log line, and the session
+    # runs on the CPU: an instance placed on a device must not do that unnoticed.
+    wanted = target.providers[0][0]
+    if wanted not in session.get_providers():
+        raise UnavailableError(
+            f"model '{config.name}': onnxruntime could not start {wanted} on {target.device} (are its libraries "
+            f"installed: CUDA and cuDNN for the CUDA provider, TensorRT for the TensorRT one?); it offered "
+            f"{', '.join(session.get_providers())}"
+        )
+    return session
