@@ -19,7 +19,7 @@ download() {
 rm -rf .gpu
 mkdir -p .gpu/bundle/wheels
 download .gpu/bundle/wheels tritonclient==2.41.0 uvicorn==0.54.0 httptools==0.9.0 orjson==3.13.0 PyJWT==2.15.1 \
-    cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 h11==0.16.0 "$ORT_GPU"
+    cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 h11==0.16.0 python-rapidjson==1.25 "$ORT_GPU"
 .venv/bin/python examples/build.py --only efficientnet_lite0 >/dev/null
 cp examples/model_repository/efficientnet_lite0/1/model.onnx .gpu/bundle/efficientnet_lite0.onnx
 tar -C .gpu -cf .gpu/bundle.tar bundle
