@@ -122,6 +122,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--repository-poll-secs", type=float, default=15.0, help="poll mode: seconds between repository scans")
     add("--model-load-max-file-bytes", type=int, default=1 << 30,
         help="most bytes the model files of one load request may hold together, decoded (default 1 GiB)")
+    add("--workers", type=int, default=0,
+        help="processes serving the ports together as one server (0, the default: one per core, at most 8; "
+             "1: a single process)")
     add("--exit-timeout-secs", type=float, default=30.0,
         help="on SIGTERM, how long in-flight requests get to finish before the server exits")
     add("--id", dest="server_id", default="geserve", help="the server's name in its metadata")
@@ -286,27 +289,35 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from_args(args)
     if args.command == "ray-serve":
         return _ray_serve(args, settings)
+    from geserve.workers.link import WorkerLink
+
+    link = WorkerLink.from_environment()  # set when a supervisor started this process as one of its workers
     quiet = not getattr(args, "log_info", True)
     logging.basicConfig(
         level=logging.DEBUG if settings.log_verbose else (logging.WARNING if quiet else logging.INFO),
-        format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
+        format=f"%(asctime)s %(levelname).1s {f'w{link.index} ' if link else ''}%(name)s] %(message)s",
     )
     from geserve.server import Server, StartupError
+    from geserve.workers.supervisor import Supervisor, worker_count
 
     _install_event_loop_policy()
+    workers = 1 if link is not None else worker_count(settings.workers)
 
-    async def serve() -> None:
-        await Server(settings).run_until_signalled()
+    async def serve() -> int:
+        if workers > 1:
+            given = sys.argv[1:] if argv is None else argv
+            return await Supervisor(settings, given[given.index("serve") + 1:], workers).run()
+        await Server(settings, link=link).run_until_signalled()
+        return 0
 
     try:
-        asyncio.run(serve())
+        return asyncio.run(serve())
     except StartupError as exc:
         print(f"error: creating server: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

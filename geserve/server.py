@@ -63,6 +63,8 @@ class Server:
             raise StartupError("at least one --model-repository is required")
         self.settings = settings
         self.link = link
+        if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
+            devices.share_cores(link.count)
         self.store = ModelStore(settings.model_repositories)
         # Kept even with --allow-metrics=false, so models that update custom metrics run unchanged.
         self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES)

@@ -117,6 +117,9 @@ class ServerSettings:
     """Triton's --grpc-server-key: PEM file of the server's private key (unencrypted); re-read on SIGHUP."""
     grpc_root_cert: str = ""
     """Triton's --grpc-root-cert: PEM file of the CA certificates client certificates must be signed by."""
+    workers: int = 0
+    """Processes serving the HTTP and gRPC ports together as one server (geserve/workers); 0: one per core the
+    process may run on, at most MAX_AUTO_WORKERS; 1: a single process, no supervisor."""
     exit_timeout_secs: float = 30.0
     """Triton's --exit-timeout-secs: on SIGTERM, how long in-flight requests and streams get to finish."""
     server_id: str = "geserve"

@@ -21,7 +21,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "geserve"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the composition root: builds everything from settings and starts the frontends
     ("geserve", "geserve.__main__", "geserve.cli", "geserve.server",
-     "geserve.integrations"),  # other hosts of the same core (Ray Serve): composition roots too
+     "geserve.integrations",  # other hosts of the same core (Ray Serve): composition roots too
+     "geserve.workers"),  # the supervisor of --workers N and each worker's link to it
     # tools that drive a server from outside (`geserve tune` starts one and measures it with perf_analyzer)
     ("geserve.tune",),
     # wire <-> core types, nothing else

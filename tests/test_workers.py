@@ -181,10 +181,9 @@ def test_sigterm_stops_every_worker_cleanly(repo: Path, tmp_path: Path) -> None:
 
 
 def test_a_worker_that_cannot_start_fails_the_start(repo: Path, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="exited with 1"):
-        with geserve([repo], tmp_path / "log", ["--workers", "2", "--model-control-mode", "explicit",
-                                                "--load-model", "missing"]):
-            pass
+    args = ["--workers", "2", "--model-control-mode", "explicit", "--load-model", "missing"]
+    with pytest.raises(RuntimeError, match="exited with 1"), geserve([repo], tmp_path / "log", args):
+        pass
 
 
 def test_the_default_is_one_worker_per_core_capped() -> None:

@@ -14,6 +14,7 @@ from geserve.devices.target import (
     cpu_count,
     default_instance_kind,
     resolve_target,
+    share_cores,
     threads_per_instance,
 )
 
@@ -28,5 +29,6 @@ __all__ = [
     "default_instance_kind",
     "placements",
     "resolve_target",
+    "share_cores",
     "threads_per_instance",
 ]

@@ -64,9 +64,19 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+_processes_sharing_cores = 1
+
+
+def share_cores(processes: int) -> None:
+    """This process is one of `processes` that serve on the same cores (--workers): each takes its share."""
+    global _processes_sharing_cores
+    _processes_sharing_cores = max(1, processes)
+
+
 def threads_per_instance(instance_count: int) -> int:
-    """Split the machine's cores across a model's instances so parallel instances do not oversubscribe."""
-    return max(1, cpu_count() // max(1, instance_count))
+    """Split this process's share of the cores across a model's instances so parallel instances (and the other
+    workers' instances) do not oversubscribe them."""
+    return max(1, cpu_count() // _processes_sharing_cores // max(1, instance_count))
 
 
 def default_instance_kind() -> int:

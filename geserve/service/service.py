@@ -26,12 +26,14 @@ from geserve.errors import (
     NotFoundError,
     UnavailableError,
     UnknownModelError,
+    UnknownSequenceError,
     UnsupportedError,
 )
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
+from geserve.service.cluster import Cluster
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
 from geserve.service.model_files import DEFAULT_MAX_FILE_BYTES, check_model_name, model_files
 from geserve.service.parameters import apply_parameters
@@ -46,6 +48,7 @@ from geserve.service.shared_memory import (
 )
 from geserve.service.tracing.tracer import Tracing
 from geserve.service.validation import prepare
+from geserve.statistics import merge_statistics
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.types.wire import tensor_bytes
@@ -98,6 +101,7 @@ class InferenceService:
         audit: AuditLog | None = None,
         model_load_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         response_cache: ResponseCache | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -112,6 +116,9 @@ class InferenceService:
         self.response_cache = response_cache  # Triton's response cache (--cache-config); None without one
         self.server_name = server_name
         self.model_load_max_file_bytes = model_load_max_file_bytes
+        # The other workers of this server (--workers N), None in a single process: control calls then run on
+        # every worker, statistics add up theirs, and readiness waits for all of them.
+        self.cluster = cluster
         self.accepting = True
         self._inflight = 0  # inference calls under way, of every transport
         self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
@@ -202,7 +209,11 @@ class InferenceService:
 
     def ready(self, context: CallContext = IN_PROCESS) -> bool:
         with self._call(ApiGroup.HEALTH, "ready", context):
-            return self.accepting and (not self._strict or self._manager.all_ready())
+            return (
+                self.accepting
+                and (not self._strict or self._manager.all_ready())
+                and (self.cluster is None or self.cluster.ready)
+            )
 
     async def model_ready(self, name: str, version: str = "", context: CallContext = IN_PROCESS) -> bool:
         """READY in the lifecycle, and (for models whose instances check their own readiness) ready by them."""
@@ -378,15 +389,46 @@ class InferenceService:
             model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
             raise
 
-    @staticmethod
-    async def _run(model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
+    async def _run(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
         try:
-            response = await model.scheduler.enqueue(request)
+            try:
+                response = await model.scheduler.enqueue(request)
+            except UnknownSequenceError:
+                forwarded = await self._forward_sequence(request)
+                if forwarded is None:
+                    raise
+                return forwarded  # counted by the worker that ran it
             if request.outputs is not None:
                 _apply_classification(model, request, response)
         except Exception as exc:  # counted whatever failed, then answered by the frontend's error table
             model.statistics.record_failure(time.monotonic_ns() - started, exc)
             raise
+        model.statistics.record_success(time.monotonic_ns() - started)
+        response.model_version = str(model.version)
+        return response
+
+    async def _forward_sequence(self, request: InferenceRequest) -> InferenceResponse | None:
+        """A request of a sequence another worker holds (its START came in on another connection) runs there;
+        None when this server runs one process, or no worker holds it."""
+        if self.cluster is None or request.stream is not None:
+            return None
+        return await self.cluster.forward_sequence(request)
+
+    async def run_forwarded(self, request: InferenceRequest) -> InferenceResponse | None:
+        """Another worker's request of a sequence (`_forward_sequence`): its answer when this worker holds the
+        sequence, else None. The request was admitted and checked by the worker it came to."""
+        model = self._lookup(request)
+        self._enter()
+        started = time.monotonic_ns()
+        try:
+            response = await model.scheduler.enqueue(request)
+        except UnknownSequenceError:
+            return None
+        except Exception as exc:
+            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            raise
+        finally:
+            self._leave()
         model.statistics.record_success(time.monotonic_ns() - started)
         response.model_version = str(model.version)
         return response
@@ -420,7 +462,7 @@ class InferenceService:
         gRPC and in process), the model loads from those files, written into a private folder, instead of the
         repository's (service/model_files.py has the rules)."""
         with self._call(ApiGroup.MODEL_REPOSITORY, "load_model", context, name):
-            await self._load_model(name, parameters or {}, context.transport)
+            await self._everywhere("load_model", name, parameters or {}, context.transport)
 
     async def _load_model(self, name: str, parameters: dict[str, Any], transport: Transport) -> None:
         self._require_explicit()  # Triton's order: the control mode, the model's name, then the parameters
@@ -433,8 +475,11 @@ class InferenceService:
 
     async def unload_model(self, name: str, context: CallContext = IN_PROCESS) -> None:
         with self._call(ApiGroup.MODEL_REPOSITORY, "unload_model", context, name):
-            self._require_explicit()
-            await self._manager.unload(name)
+            await self._everywhere("unload_model", name)
+
+    async def _unload_model(self, name: str) -> None:
+        self._require_explicit()
+        await self._manager.unload(name)
 
     def _require_explicit(self) -> None:
         if not self._explicit:
@@ -442,9 +487,15 @@ class InferenceService:
 
     # ---- statistics -------------------------------------------------------------------------------
 
-    def statistics(self, name: str = "", version: str = "", context: CallContext = IN_PROCESS) -> dict[str, Any]:
+    async def statistics(
+        self, name: str = "", version: str = "", context: CallContext = IN_PROCESS
+    ) -> dict[str, Any]:
+        """The statistics of the whole server: with several workers, every worker's added up."""
         with self._call(ApiGroup.STATISTICS, "statistics", context, name):
-            return self._statistics(name, version)
+            local = self._statistics(name, version)  # this worker's errors first (an unknown model, version)
+            if self.cluster is None:
+                return local
+            return merge_statistics(await self.cluster.gather("statistics", name, version))
 
     def _statistics(self, name: str, version: str) -> dict[str, Any]:
         if name:
@@ -466,15 +517,16 @@ class InferenceService:
         with self._call(ApiGroup.SHARED_MEMORY, "shared_memory_status", context, region=name):
             return self.shared_memory.status(name)
 
-    def register_shared_memory(
+    async def register_shared_memory(
         self, name: str, key: str, offset: int, byte_size: int, context: CallContext = IN_PROCESS
     ) -> None:
+        """A region every worker can read inputs from and write outputs to."""
         with self._call(ApiGroup.SHARED_MEMORY, "register_shared_memory", context, region=name):
-            self.shared_memory.register(name, key, offset, byte_size)
+            await self._everywhere("register_shared_memory", name, key, offset, byte_size)
 
-    def unregister_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
+    async def unregister_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
         with self._call(ApiGroup.SHARED_MEMORY, "unregister_shared_memory", context, region=name):
-            self.shared_memory.unregister(name)
+            await self._everywhere("unregister_shared_memory", name)
 
     # CUDA regions (device memory shared by an IPC handle); where CUDA cannot open one, Triton's answers there.
 
@@ -517,11 +569,36 @@ class InferenceService:
         """Write the trace file, or export the spans still queued (the server is stopping)."""
         self._trace.close()
 
-    def log_settings(
+    async def log_settings(
         self, changes: dict[str, LogValue] | None = None, context: CallContext = IN_PROCESS
     ) -> dict[str, LogValue]:
         with self._call(ApiGroup.LOGGING, "log_settings", context):
-            return self._log.update(changes) if changes else self._log.get()
+            return await self._everywhere("log_settings", changes) if changes else self._log.get()
+
+    # ---- control calls of the whole server ----------------------------------------------------------
+
+    async def _everywhere(self, method: str, *args: Any) -> Any:
+        """Run a control call (one of cluster.CONTROL_CALLS) on every worker of the server, or here in one
+        process; the caller has admitted it."""
+        if self.cluster is None:
+            return await self.run_control(method, args)
+        return await self.cluster.broadcast(method, *args)
+
+    async def run_control(self, method: str, args: tuple[Any, ...]) -> Any:
+        """The body of a control call, on this worker: admitted by the worker the call came to."""
+        if method == "load_model":
+            return await self._load_model(*args)
+        if method == "unload_model":
+            return await self._unload_model(*args)
+        if method == "register_shared_memory":
+            return self.shared_memory.register(*args)
+        if method == "unregister_shared_memory":
+            return self.shared_memory.unregister(*args)
+        if method == "log_settings":
+            return self._log.update(*args)
+        if method == "statistics":
+            return self._statistics(*args)
+        raise InternalError(f"unknown control call '{method}'")
 
 
 class _NoAudit:

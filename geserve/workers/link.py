@@ -19,15 +19,17 @@ logger = logging.getLogger(__name__)
 
 SOCKET_VARIABLE = "GESERVE_WORKER_SOCKET"
 INDEX_VARIABLE = "GESERVE_WORKER_INDEX"
+COUNT_VARIABLE = "GESERVE_WORKER_COUNT"
 
 
 class WorkerLink:
     """Connects to the supervisor's socket; `join` takes the server's control state (models loaded and unloaded,
     shared memory regions, log settings) before this worker serves."""
 
-    def __init__(self, socket_path: str, index: int) -> None:
+    def __init__(self, socket_path: str, index: int, count: int) -> None:
         self.socket_path = socket_path
         self.index = index
+        self.count = count  # workers in the server
         self._ready = False
         self._peer: Peer | None = None
         self._service: InferenceService | None = None
@@ -40,7 +42,9 @@ class WorkerLink:
     def from_environment(cls) -> WorkerLink | None:
         """The link of a process the supervisor started, None in a process started by hand."""
         path = os.environ.get(SOCKET_VARIABLE)
-        return cls(path, int(os.environ.get(INDEX_VARIABLE, "0"))) if path else None
+        if not path:
+            return None
+        return cls(path, int(os.environ.get(INDEX_VARIABLE, "0")), int(os.environ.get(COUNT_VARIABLE, "1")))
 
     @property
     def ready(self) -> bool:

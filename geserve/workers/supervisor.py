@@ -29,7 +29,7 @@ from geserve.frontends.tls import TlsError, tls_files
 from geserve.metrics.exposition import render_families
 from geserve.metrics.system import CpuSampler, cpu_families
 from geserve.settings import ServerSettings
-from geserve.workers.link import INDEX_VARIABLE, SOCKET_VARIABLE
+from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.wire import Peer, PeerGone
 
@@ -104,9 +104,9 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGHUP, self._reload_tls)
         server = await asyncio.start_unix_server(self._connected, path=self.socket_path)
         try:
+            await self._start_metrics()  # first, as in a single process: /metrics answers once HTTP is live
             if not await self._start_all(stop):
                 return 1
-            await self._start_metrics()
             logger.info("serving with %d workers", len(self.workers))
             watchers = [asyncio.create_task(self._watch(worker, stop)) for worker in self.workers]
             await stop.wait()
@@ -123,10 +123,11 @@ class Supervisor:
         for worker in self.workers:
             await self._spawn(worker)
         while not all(w.serving for w in self.workers):
-            failed = [w for w in self.workers if w.process is not None and w.process.returncode is not None]
+            failed = [(w.index, w.process.returncode) for w in self.workers
+                      if w.process is not None and w.process.returncode is not None]
             if failed or stop.is_set():
-                for worker in failed:
-                    logger.error("worker %d exited with %s while starting", worker.index, worker.process.returncode)
+                for index, status in failed:
+                    logger.error("worker %d exited with %s while starting", index, status)
                 await self._stop_all([])
                 return False
             self._changed.clear()
@@ -137,7 +138,11 @@ class Supervisor:
         return True
 
     async def _spawn(self, worker: _Worker) -> None:
-        environment = dict(os.environ, **{SOCKET_VARIABLE: self.socket_path, INDEX_VARIABLE: str(worker.index)})
+        environment = dict(os.environ, **{
+            SOCKET_VARIABLE: self.socket_path,
+            INDEX_VARIABLE: str(worker.index),
+            COUNT_VARIABLE: str(len(self.workers)),
+        })
         worker.serving, worker.peer, worker.started_at = False, None, time.monotonic()
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "geserve", "serve", *self.argv, env=environment

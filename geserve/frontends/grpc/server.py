@@ -58,13 +58,15 @@ class GrpcOptions:
     """Most calls (HTTP/2 streams) open at once on one connection; further ones wait for one to end."""
     tls: TlsFiles | None = None
     """TLS (--grpc-use-ssl[-mutual]); None: plaintext."""
+    reuse_port: bool = False
+    """Share the port with the server's other worker processes (--workers); else a port in use fails the start."""
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The grpc server's channel arguments for these options."""
         return [
             ("grpc.max_send_message_length", self.max_message_size),
             ("grpc.max_receive_message_length", self.max_message_size),
-            ("grpc.so_reuseport", 0),  # a port already in use fails the start instead of being shared
+            ("grpc.so_reuseport", int(self.reuse_port)),
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
@@ -159,7 +161,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
         version = convert.from_version(request.version)
-        statistics = self._service.statistics(request.name, version, call_context(context))
+        statistics = await self._service.statistics(request.name, version, call_context(context))
         return convert.to_model_statistics_response(statistics)
 
     # ---- inference ----------------------------------------------------------------------------------
@@ -294,7 +296,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Any
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        self._service.register_shared_memory(
+        await self._service.register_shared_memory(
             request.name, request.key, request.offset, request.byte_size, call_context(context)
         )
         return pb.SystemSharedMemoryRegisterResponse()
@@ -303,7 +305,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Any
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        self._service.unregister_shared_memory(request.name, call_context(context))
+        await self._service.unregister_shared_memory(request.name, call_context(context))
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @_rpc
@@ -340,7 +342,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:
         changes = convert.from_log_settings_request(request)
-        return convert.to_log_settings_response(self._service.log_settings(changes, call_context(context)))
+        return convert.to_log_settings_response(await self._service.log_settings(changes, call_context(context)))
 
 
 class GrpcServer(TlsEndpoint):

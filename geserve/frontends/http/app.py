@@ -120,7 +120,7 @@ class HttpFrontend:
         group = parts[1]
         if group == "models" and len(parts) > 2:
             if parts[2:] == ["stats"]:
-                return _json(service.statistics(context=context)) if method == "GET" else _not_allowed()
+                return _json(await service.statistics(context=context)) if method == "GET" else _not_allowed()
             return await self._model_route(method, parts[2:], receive, headers, context)
         if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
             if method != "GET":
@@ -145,11 +145,11 @@ class HttpFrontend:
             return await self._shm_route(group, method, parts[2:], receive, headers, context)
         if parts[1:] == ["logging"]:
             if method == "GET":
-                return _json(service.log_settings(context=context))
+                return _json(await service.log_settings(context=context))
             if method != "POST":
                 return _not_allowed()
             changes = _log_changes(parse_json(await self._read_body(receive, headers)))
-            return _json(service.log_settings(changes, context))
+            return _json(await service.log_settings(changes, context))
         if parts[1:] == ["trace", "setting"]:
             return await self._trace_setting("", method, receive, headers, context)
         return _not_found()
@@ -183,7 +183,7 @@ class HttpFrontend:
             if cuda:
                 service.unregister_cuda_shared_memory(name, context)
             else:
-                service.unregister_shared_memory(name, context)
+                await service.unregister_shared_memory(name, context)
             return 200, b"", _JSON, []
         options = parse_json(await self._read_body(receive, headers))
         options = options if isinstance(options, dict) else {}
@@ -197,7 +197,7 @@ class HttpFrontend:
             raise RequestParseError(_JSON_TYPE_ERRORS[str])
         if not all(type(v) is int and v >= 0 for v in (offset, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
-        service.register_shared_memory(name, key, offset, byte_size, context)
+        await service.register_shared_memory(name, key, offset, byte_size, context)
         return 200, b"", _JSON, []
 
     def _register_cuda(self, name: str, options: dict[str, Any], context: CallContext) -> Response:
@@ -253,7 +253,7 @@ class HttpFrontend:
             return 400, _error_body("Model version not ready"), _TEXT, []
         if action == "config":
             return _json(message_to_json_dict(service.model_config(name, version, context)))
-        return _json(service.statistics(name, version, context))
+        return _json(await service.statistics(name, version, context))
 
     async def _repository_action(
         self, name: str, action: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
