@@ -7,6 +7,7 @@ imports) `cuda.cudart`. Either is used. Without the package or a driver, nothing
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from types import ModuleType
@@ -71,6 +72,21 @@ def cuda_usable() -> str | None:
     return None if count > 0 else "no CUDA device is visible"
 
 
+def write_handle(handle: Any, raw: bytes) -> None:
+    """Fill a cudaIpcMemHandle_t: cuda-python 12 exposes its `reserved` bytes, 13 only the struct's address."""
+    if hasattr(handle, "reserved"):
+        handle.reserved = raw
+    else:
+        ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+
+
+def read_handle(handle: Any) -> bytes:
+    """The 64 bytes of a cudaIpcMemHandle_t (what tritonclient's cudashm.get_raw_handle base64-encodes)."""
+    if hasattr(handle, "reserved"):
+        return bytes(handle.reserved)
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
 class CudaIpcRegion:
     """Device memory another process exported with cudaIpcGetMemHandle, opened in this one.
 
@@ -87,7 +103,7 @@ class CudaIpcRegion:
         self._lock = threading.Lock()
         _check(rt.cudaSetDevice(device_id), "cudaSetDevice")
         handle = rt.cudaIpcMemHandle_t()
-        handle.reserved = raw_handle
+        write_handle(handle, raw_handle)
         self._pointer: int | None = int(
             _check(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle")
         )

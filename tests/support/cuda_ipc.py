@@ -8,7 +8,7 @@ import base64
 
 import numpy as np
 
-from geserve.devices.cuda_runtime import _check, runtime
+from geserve.devices.cuda_runtime import _check, read_handle, runtime
 
 
 class DeviceBuffer:
@@ -20,7 +20,7 @@ class DeviceBuffer:
         _check(rt.cudaSetDevice(device_id), "cudaSetDevice")
         self.pointer = int(_check(rt.cudaMalloc(byte_size), "cudaMalloc"))
         handle = _check(rt.cudaIpcGetMemHandle(self.pointer), "cudaIpcGetMemHandle")
-        self.raw_handle: bytes = bytes(handle.reserved)
+        self.raw_handle: bytes = read_handle(handle)
 
     @property
     def raw_handle_b64(self) -> bytes:
