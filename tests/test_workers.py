@@ -221,3 +221,12 @@ def test_metrics_of_workers_add_up_but_machine_gauges_do_not() -> None:
     assert 'nv_inference_pending_request_count{model="m",version="1"} 4' in merged
     assert 'q{quantile="0.5"} 30' in merged and "q_count 4" in merged
     assert merged.count("# TYPE nv_inference_request_success counter") == 1
+
+
+def test_log_and_trace_settings_change_on_every_worker(server: RunningServer) -> None:
+    fresh(server).update_log_settings({"log_verbose_level": 2})
+    assert all(fresh(server).get_log_settings()["log_verbose_level"] == 2 for _ in range(ROUNDS))
+    fresh(server).update_log_settings({"log_verbose_level": 0})
+    fresh(server).update_trace_settings("simple", {"trace_rate": "7"})
+    assert all(fresh(server).get_trace_settings("simple")["trace_rate"] == "7" for _ in range(ROUNDS))
+    fresh(server).update_trace_settings("simple", {"trace_rate": None})

@@ -549,10 +549,11 @@ class InferenceService:
 
     # ---- trace and logging ------------------------------------------------------------------------
 
-    def trace_setting(
+    async def trace_setting(
         self, model: str = "", changes: dict[str, list[str]] | None = None, context: CallContext = IN_PROCESS
     ) -> dict[str, list[str]]:
-        """The trace settings of `model` (the server's when empty), after applying `changes` if any."""
+        """The trace settings of `model` (the server's when empty), after applying `changes` if any (on every
+        worker)."""
         with self._call(ApiGroup.TRACE, "trace_setting", context, model):
             if model:
                 try:
@@ -561,9 +562,12 @@ class InferenceService:
                     raise InvalidArgumentError(f"Request for unknown model : {model}") from None
             if not changes:
                 return self._trace.settings.get(model)
-            values = self._trace.settings.update(changes, model, context.transport is Transport.GRPC)
-            self.tracer = self._trace if self._trace.on else None
-            return values
+            return await self._everywhere("trace_setting", model, changes, context.transport is Transport.GRPC)
+
+    def _update_trace_setting(self, model: str, changes: dict[str, list[str]], grpc: bool) -> dict[str, list[str]]:
+        values = self._trace.settings.update(changes, model, grpc)
+        self.tracer = self._trace if self._trace.on else None
+        return values
 
     def close_tracing(self) -> None:
         """Write the trace file, or export the spans still queued (the server is stopping)."""
@@ -596,6 +600,8 @@ class InferenceService:
             return self.shared_memory.unregister(*args)
         if method == "log_settings":
             return self._log.update(*args)
+        if method == "trace_setting":
+            return self._update_trace_setting(*args)
         if method == "statistics":
             return self._statistics(*args)
         raise InternalError(f"unknown control call '{method}'")

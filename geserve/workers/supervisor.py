@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -39,7 +40,7 @@ MAX_AUTO_WORKERS = 8
 # Control calls that change the server's state: kept (the latest per model, per region) and replayed to a worker
 # that joins later, so a restarted worker serves what the others serve.
 _REPLAYED = frozenset({"load_model", "unload_model", "register_shared_memory", "unregister_shared_memory",
-                       "log_settings"})
+                       "log_settings", "trace_setting"})
 _RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _STOP_GRACE_SECS = 10.0  # beyond --exit-timeout-secs, for a worker to unload its models and exit
 
@@ -74,6 +75,7 @@ class Supervisor:
         self.argv = list(argv)
         self.workers = [_Worker(i) for i in range(count)]
         self._replay: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
+        self._changes = itertools.count()
         self._control = asyncio.Lock()  # one control call of the server at a time, joins included
         self._stopping = False
         self._ready_sent: bool | None = None
@@ -297,7 +299,7 @@ class Supervisor:
         elif method in ("register_shared_memory", "unregister_shared_memory"):
             key = ("region", args[0])
         else:
-            key = ("log", str(len(self._replay)))  # each change in turn: later ones override earlier ones
+            key = (method, str(next(self._changes)))  # settings: each change in turn, later ones override earlier
         self._replay.pop(key, None)
         self._replay[key] = (method, args)
 

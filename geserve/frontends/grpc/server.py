@@ -336,7 +336,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> pb.TraceSettingResponse:
         changes = convert.from_trace_setting_request(request)
-        values = self._service.trace_setting(request.model_name, changes, call_context(context))
+        values = await self._service.trace_setting(request.model_name, changes, call_context(context))
         return convert.to_trace_setting_response(values)
 
     @_rpc

@@ -222,7 +222,7 @@ class HttpFrontend:
         if method not in ("GET", "POST"):
             return _not_allowed()
         changes = _trace_changes(parse_json(await self._read_body(receive, headers))) if method == "POST" else None
-        values = self._service.trace_setting(model, changes, context)
+        values = await self._service.trace_setting(model, changes, context)
         ordered = {k: values[k] for k in _TRACE_KEYS if k in values}
         return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
