@@ -22,8 +22,8 @@ Read the tables as the spec. Deliberate differences are named where they are ass
 
 Both serve system shared memory (geserve behind `--allow-system-shared-memory`): two regions, `in` (holding the
 inputs the shared memory cases read) and `out`, are registered on both servers at the start, over HTTP.
-Settings type errors that Triton answers with 500 geserve answers with 400, as for inference; a trace level other
-than OFF, which Triton accepts once a trace file is set, geserve refuses (it does not trace).
+Settings type errors that Triton answers with 500 geserve answers with 400, as for inference (the trace settings
+with a trace file set, and tracing itself, are compared in tests/test_tracing.py).
 
 All six models serve under Triton's Python backend; for `identity_bytes` the generated model stringifies BYTES
 values (`b'...'`), which `unmangle` undoes before comparing. Not sent: classification of a BYTES output, which
