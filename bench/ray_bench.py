@@ -152,7 +152,7 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def report(systems: list[System], mode: harness.Mode, rounds: int) -> str:
+def report(systems: list[System], mode: harness.Mode, rounds: int, haproxy: bool = False) -> str:
     lines = [
         "# geserve on Ray Serve: the proxy's cost and a second replica (perf_analyzer)",
         "",
@@ -161,7 +161,10 @@ def report(systems: list[System], mode: harness.Mode, rounds: int) -> str:
         f"`dynamic_batching {{}}`. Date: {time.strftime('%Y-%m-%d')}. Machine: {harness.machine()}.",
         "",
         "Ray: a one-node cluster on this machine, one proxy (HTTP and gRPC), replicas of `num_cpus: 1`; the "
-        "single geserve is one process (`--workers 1`) on the same machine.",
+        "single geserve is one process (`--workers 1`) on the same machine. "
+        + ("Ray's high-throughput mode: HAProxy on the proxy ports and the replicas' direct ingress "
+           "(`RAY_SERVE_ENABLE_HA_PROXY=1`, `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`)." if haproxy
+           else "Ray's default proxies (Python actors)."),
         "",
         "| model | protocol | c | " + " | ".join(f"{s.name} infer/s | p99 µs" for s in systems)
         + " | " + " | ".join(f"{s.name} / single" for s in systems[1:]) + " |",
@@ -189,16 +192,28 @@ def report(systems: list[System], mode: harness.Mode, rounds: int) -> str:
 
 
 def main() -> int:
+    global MODELS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 2; --quick: 1)")
     parser.add_argument("--quick", action="store_true", help="short perf_analyzer windows, one round")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of mlp and resnet50")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="Ray's high-throughput mode (RAY_SERVE_ENABLE_HA_PROXY=1, "
+                             "RAY_SERVE_THROUGHPUT_OPTIMIZED=1: HAProxy on the proxy ports, replicas' direct "
+                             "ingress); writes ray_haproxy.md")
     args = parser.parse_args()
+    MODELS = tuple(m for m in args.models.split(",") if m)
+    if not set(MODELS) <= set(WINDOW_SCALE):
+        parser.error(f"--models: choose among {', '.join(WINDOW_SCALE)}")
     mode = harness.QUICK if args.quick else harness.FULL
     rounds = args.rounds or (1 if args.quick else 2)
     if not harness.reference.perf_analyzer_path().is_file():
         print("perf_analyzer is missing: run scripts/install_reference.sh first", file=sys.stderr)
         return 1
     harness.RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.haproxy:  # read by the Ray nodes at start (tests/support/ray_cluster.py passes the environment on)
+        os.environ.update({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"})
+    name = "ray_haproxy" if args.haproxy else "ray"
     cpus = len(os.sched_getaffinity(0))
     single, ray1, ray2 = System("single geserve", 0), System("Ray, 1 replica", 1), System("Ray, 2 replicas", 2)
     ray1.http_port = ray2.http_port = free_port()
@@ -224,10 +239,10 @@ def main() -> int:
         finally:
             stop_geserve(server)
     systems = [single, ray1, ray2]
-    text = report(systems, mode, rounds)
+    text = report(systems, mode, rounds, args.haproxy)
     print(text)
-    (harness.RESULTS / "ray.md").write_text(text)
-    (harness.RESULTS / "ray.json").write_text(json.dumps({s.name: s.samples for s in systems}, indent=1))
+    (harness.RESULTS / f"{name}.md").write_text(text)
+    (harness.RESULTS / f"{name}.json").write_text(json.dumps({s.name: s.samples for s in systems}, indent=1))
     return 0
 
 

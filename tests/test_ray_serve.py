@@ -73,6 +73,33 @@ def test_unknown_or_contradictory_options_are_refused(tmp_path: Path) -> None:
         build_options(num_replicas=0)
 
 
+# Ray's destructor is `async def __del__` (Ray awaits it); Python's collector calls it once more and drops it.
+@pytest.mark.filterwarnings("ignore:coroutine 'GeserveReplica.__del__' was never awaited:RuntimeWarning")
+def test_replica_health_is_geserve_readiness(tmp_path: Path) -> None:
+    """Ray's check_health on a replica's server core, outside Ray (only the Ray-free part of the replica runs)."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+
+    from geserve.integrations.ray_serve import GeserveReplica, NotReady
+    from geserve.server import Server
+    from geserve.settings import ServerSettings
+
+    models.simple(tmp_path)
+
+    async def scenario() -> None:
+        replica = GeserveReplica.__new__(GeserveReplica)  # the constructor needs Ray's replica context
+        replica.server = Server(ServerSettings(model_repositories=[tmp_path], allow_http=False, allow_grpc=False,
+                                               allow_metrics=False, exit_timeout_secs=5))
+        await replica.server.start()
+        await replica.check_health()  # every model ready
+        replica.server.service.stop_accepting()  # what a stopping replica does first
+        with pytest.raises(NotReady):
+            await replica.check_health()
+        await replica.__del__()  # Ray's destructor call: the drain, then the models unload
+
+    asyncio.run(scenario())
+
+
 # ------------------------------------------------------------------------------------- a real Ray cluster
 
 SUCCESS = re.compile(r'^nv_inference_request_success\{model="simple",version="1"\} (\S+)$', re.MULTILINE)
