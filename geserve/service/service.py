@@ -397,6 +397,8 @@ class InferenceService:
                 forwarded = await self._forward_sequence(request)
                 if forwarded is None:
                     raise
+                if request.outputs is not None:
+                    _apply_classification(model, request, forwarded)
                 return forwarded  # counted by the worker that ran it
             if request.outputs is not None:
                 _apply_classification(model, request, response)

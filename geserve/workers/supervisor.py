@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -76,6 +77,7 @@ class Supervisor:
         self.workers = [_Worker(i) for i in range(count)]
         self._replay: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
         self._changes = itertools.count()
+        self._held: list[socket.socket] = []
         self._control = asyncio.Lock()  # one control call of the server at a time, joins included
         self._stopping = False
         self._ready_sent: bool | None = None
@@ -105,6 +107,7 @@ class Supervisor:
             loop.add_signal_handler(sig, on_signal)
         loop.add_signal_handler(signal.SIGHUP, self._reload_tls)
         server = await asyncio.start_unix_server(self._connected, path=self.socket_path)
+        self._fix_ports()
         try:
             await self._start_metrics()  # first, as in a single process: /metrics answers once HTTP is live
             if not await self._start_all(stop):
@@ -115,6 +118,8 @@ class Supervisor:
             return 0 if await self._stop_all(watchers) else 1
         finally:
             server.close()
+            for holder in self._held:
+                holder.close()
             if self._metrics is not None:
                 await self._metrics.stop()
             self._folder.cleanup()
@@ -138,6 +143,19 @@ class Supervisor:
         for worker in self.workers:
             worker.started_once = True
         return True
+
+    def _fix_ports(self) -> None:
+        """Port 0 asks for any free port: one for all the workers, held (bound, never listening) by the supervisor
+        so that it stays theirs."""
+        settings = self.settings
+        for flag, port, wanted in (("--http-port", settings.http_port, settings.allow_http),
+                                   ("--grpc-port", settings.grpc_port, settings.allow_grpc)):
+            if wanted and port == 0:
+                holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                holder.bind(("", 0))
+                self._held.append(holder)
+                self.argv += [flag, str(holder.getsockname()[1])]
 
     async def _spawn(self, worker: _Worker) -> None:
         environment = dict(os.environ, **{
