@@ -19,7 +19,7 @@ def write_plot(points: Sequence[Point], options: SweepOptions, path: Path) -> Pa
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    figure, axes = plt.subplots(figsize=(8, 5), dpi=100)
+    figure, axes = plt.subplots(figsize=(10, 5), dpi=100)
     candidates = list(dict.fromkeys(p.candidate for p in points if p.measurement))
     colors = plt.get_cmap("tab10" if len(candidates) <= 10 else "tab20")
     for index, candidate in enumerate(candidates):
@@ -49,7 +49,7 @@ def write_plot(points: Sequence[Point], options: SweepOptions, path: Path) -> Pa
     axes.set_ylim(bottom=0)
     axes.set_title(f"geserve tune: {options.model}")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7, loc="best")
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside, not over
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

@@ -42,6 +42,12 @@ def markdown(points: Sequence[Point], options: SweepOptions, *, command: str, co
         f"other processes used more than {options.busy_limit:.0%} of the CPUs during it",
         "",
     ]
+    busy = [p for p in points if p.measurement and p.others is not None and p.others > options.busy_limit]
+    if busy:
+        lines += [f"**{len(busy)} of {sum(p.measurement is not None for p in points)} points were measured while other "
+                  "processes used more of the CPUs than the limit, even after their repeats: their latencies are "
+                  "inflated (and may have stopped a configuration early). Run again on a quiet machine to trust "
+                  "them.**", ""]
     if best is None or best.measurement is None:
         lines += ["**No point stayed within the budget**: no config.pbtxt was written.", ""]
     else:
