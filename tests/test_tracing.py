@@ -284,3 +284,22 @@ def test_setting_endpoints_as_triton(repo: Path, tmp_path: Path) -> None:
             stop_geserve(server)
     finally:
         triton.stop()
+
+
+def test_file_written_when_the_count_runs_out(repo: Path, tmp_path: Path) -> None:
+    """log-frequency 0: Triton writes the file when the last trace asked for is taken, not only at exit."""
+    path = tmp_path / "trace.json"
+    server = start_geserve([repo], tmp_path / "geserve.log",
+                           _trace_args(path, "--trace-config", "level=TIMESTAMPS", "--trace-config", "count=1"))
+    try:
+        http = httpclient.InferenceServerClient(server.url)
+        http.infer("chain", _inputs(httpclient, ("A", "B")))  # one trace, with its two steps as children
+        http.infer("simple", _inputs(httpclient))  # no trace left to take
+        deadline = time.monotonic() + 5
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        headers = [trace["header"] for trace in _traces(path).values()]
+        assert sorted(h["model_name"] for h in headers) == ["chain", "simple", "simple"]
+        assert http.get_trace_settings()["trace_count"] == "0"
+    finally:
+        stop_geserve(server)
