@@ -538,16 +538,17 @@ class InferenceService:
         with self._call(ApiGroup.SHARED_MEMORY, "cuda_shared_memory_status", context, region=name):
             return self.shared_memory.cuda_status(name)
 
-    def register_cuda_shared_memory(
+    async def register_cuda_shared_memory(
         self, name: str, raw_handle: bytes, device_id: int, byte_size: int, context: CallContext = IN_PROCESS
     ) -> None:
+        """A device region every worker opens from its IPC handle."""
         with self._call(ApiGroup.SHARED_MEMORY, "register_cuda_shared_memory", context, region=name):
-            self.shared_memory.register_cuda(name, raw_handle, device_id, byte_size)
+            await self._everywhere("register_cuda_shared_memory", name, raw_handle, device_id, byte_size)
 
-    def unregister_cuda_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
+    async def unregister_cuda_shared_memory(self, name: str = "", context: CallContext = IN_PROCESS) -> None:
         """Unregistering a region that does not exist succeeds, as in Triton."""
         with self._call(ApiGroup.SHARED_MEMORY, "unregister_cuda_shared_memory", context, region=name):
-            self.shared_memory.unregister_cuda(name)
+            await self._everywhere("unregister_cuda_shared_memory", name)
 
     # ---- trace and logging ------------------------------------------------------------------------
 
@@ -600,6 +601,10 @@ class InferenceService:
             return self.shared_memory.register(*args)
         if method == "unregister_shared_memory":
             return self.shared_memory.unregister(*args)
+        if method == "register_cuda_shared_memory":
+            return self.shared_memory.register_cuda(*args)
+        if method == "unregister_cuda_shared_memory":
+            return self.shared_memory.unregister_cuda(*args)
         if method == "log_settings":
             return self._log.update(*args)
         if method == "trace_setting":

@@ -41,7 +41,8 @@ MAX_AUTO_WORKERS = 8
 # Control calls that change the server's state: kept (the latest per model, per region) and replayed to a worker
 # that joins later, so a restarted worker serves what the others serve.
 _REPLAYED = frozenset({"load_model", "unload_model", "register_shared_memory", "unregister_shared_memory",
-                       "log_settings", "trace_setting"})
+                       "register_cuda_shared_memory", "unregister_cuda_shared_memory", "log_settings",
+                       "trace_setting"})
 _RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _STOP_GRACE_SECS = 10.0  # beyond --exit-timeout-secs, for a worker to unload its models and exit
 
@@ -310,11 +311,13 @@ class Supervisor:
         """Keep what a joining worker must replay: the latest call per model and per region, the log settings."""
         if method in ("load_model", "unload_model"):
             key = ("model", args[0])
-        elif method == "unregister_shared_memory" and not args[0]:  # every region
-            for stale in [k for k in self._replay if k[0] == "region"]:
+        elif method.startswith("unregister_") and not args[0]:  # every region of its kind
+            kind = method.removeprefix("unregister_")
+            calls = ("register_" + kind, "unregister_" + kind)
+            for stale in [k for k, (m, _) in self._replay.items() if k[0] == "region" and m in calls]:
                 del self._replay[stale]
             return
-        elif method in ("register_shared_memory", "unregister_shared_memory"):
+        elif method.endswith("shared_memory"):
             key = ("region", args[0])
         else:
             key = (method, str(next(self._changes)))  # settings: each change in turn, later ones override earlier

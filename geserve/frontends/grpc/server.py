@@ -319,7 +319,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Any
     ) -> pb.CudaSharedMemoryRegisterResponse:
-        self._service.register_cuda_shared_memory(
+        await self._service.register_cuda_shared_memory(
             request.name, request.raw_handle, request.device_id, request.byte_size, call_context(context)
         )
         return pb.CudaSharedMemoryRegisterResponse()
@@ -328,7 +328,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def CudaSharedMemoryUnregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Any
     ) -> pb.CudaSharedMemoryUnregisterResponse:
-        self._service.unregister_cuda_shared_memory(request.name, call_context(context))
+        await self._service.unregister_cuda_shared_memory(request.name, call_context(context))
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- trace and log settings ---------------------------------------------------------------------

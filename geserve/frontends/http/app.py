@@ -181,14 +181,14 @@ class HttpFrontend:
             ])
         if action == "unregister":
             if cuda:
-                service.unregister_cuda_shared_memory(name, context)
+                await service.unregister_cuda_shared_memory(name, context)
             else:
                 await service.unregister_shared_memory(name, context)
             return 200, b"", _JSON, []
         options = parse_json(await self._read_body(receive, headers))
         options = options if isinstance(options, dict) else {}
         if cuda:
-            return self._register_cuda(name, options, context)
+            return await self._register_cuda(name, options, context)
         for field in ("key", "byte_size"):
             if field not in options:
                 raise InvalidArgumentError(f"Shared memory register request has no '{field}' field")
@@ -200,7 +200,7 @@ class HttpFrontend:
         await service.register_shared_memory(name, key, offset, byte_size, context)
         return 200, b"", _JSON, []
 
-    def _register_cuda(self, name: str, options: dict[str, Any], context: CallContext) -> Response:
+    async def _register_cuda(self, name: str, options: dict[str, Any], context: CallContext) -> Response:
         """`{"raw_handle": {"b64": ...}, "device_id": ..., "byte_size": ...}`, as tritonclient sends it."""
         if "raw_handle" not in options:
             raise InvalidArgumentError("Shared memory register request has no 'raw_handle' field")
@@ -213,7 +213,7 @@ class HttpFrontend:
         device_id, byte_size = options.get("device_id", 0), options.get("byte_size", 0)
         if not all(type(v) is int and v >= 0 for v in (device_id, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
-        self._service.register_cuda_shared_memory(name, raw, device_id, byte_size, context)
+        await self._service.register_cuda_shared_memory(name, raw, device_id, byte_size, context)
         return 200, b"", _JSON, []
 
     async def _trace_setting(
