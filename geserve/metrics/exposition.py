@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
-from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,15 +30,9 @@ def _escape_help(text: str) -> str:
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    """Every family of the registry with at least one sample, HELP (unless it has no description, as Triton) and
-    TYPE first."""
-    return render_families(registry.collect())
-
-
-def render_families(families: Iterable[Metric]) -> bytes:
-    """`render`, for families at hand."""
+    """Every family with at least one sample, HELP (unless it has no description, as Triton) and TYPE first."""
     lines: list[str] = []
-    for family in families:
+    for family in registry.collect():
         if not family.samples:
             continue
         kind = "untyped" if family.type == "unknown" else family.type

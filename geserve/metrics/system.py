@@ -77,3 +77,14 @@ def cpu_families(reading: CpuReading) -> list[Metric]:
         family.add_sample(name, {}, value)
         families.append(family)
     return families
+
+
+class CpuCollector:
+    """The CPU gauges of the sampler's latest reading, as a collector (a registry of the machine's families)."""
+
+    def __init__(self, sampler: CpuSampler) -> None:
+        self._sampler = sampler
+
+    def collect(self) -> list[Metric]:
+        reading = self._sampler.latest
+        return cpu_families(reading) if reading is not None else []

@@ -25,11 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.registry import CollectorRegistry
+
+from geserve.devices.nvml import GpuCollector, load_nvml
 from geserve.errors import GeserveError, InternalError
 from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.frontends.tls import TlsError, tls_files
-from geserve.metrics.exposition import render_families
-from geserve.metrics.system import CpuSampler, cpu_families
+from geserve.metrics.exposition import render
+from geserve.metrics.system import CpuCollector, CpuSampler
 from geserve.settings import ServerSettings
 from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
@@ -84,6 +87,7 @@ class Supervisor:
         self._ready_sent: bool | None = None
         self._changed = asyncio.Event()
         self._cpu: CpuSampler | None = None
+        self._machine = CollectorRegistry(auto_describe=False)  # the machine's families, sampled here once
         self._metrics: MetricsService | None = None
         self._folder = tempfile.TemporaryDirectory(prefix="geserve-workers-")  # mode 0700: ours alone
         self.socket_path = str(Path(self._folder.name) / "control.sock")
@@ -346,7 +350,13 @@ class Supervisor:
             return
         if settings.allow_cpu_metrics:
             sampler = CpuSampler()
-            self._cpu = sampler if sampler.available else None
+            if sampler.available:
+                self._cpu = sampler
+                self._machine.register(CpuCollector(sampler))
+        if settings.allow_gpu_metrics:
+            nvml = load_nvml()  # None without nvidia-ml-py or a driver: no GPU families, as in Triton
+            if nvml is not None:
+                self._machine.register(GpuCollector(nvml))
         try:
             tls = tls_files("--http", settings.http_use_ssl, settings.http_use_ssl_mutual,
                             settings.http_server_cert, settings.http_server_key, settings.http_root_cert)
@@ -361,6 +371,4 @@ class Supervisor:
         texts = await asyncio.gather(
             *(peer.call("metrics") for _, peer in self._joined()), return_exceptions=True
         )
-        merged = merge_expositions([t.decode() for t in texts if isinstance(t, bytes)])
-        reading = self._cpu.latest if self._cpu is not None else None
-        return merged + (render_families(cpu_families(reading)) if reading is not None else b"")
+        return merge_expositions([t.decode() for t in texts if isinstance(t, bytes)]) + render(self._machine)
