@@ -67,7 +67,6 @@ class _Worker:
     process: asyncio.subprocess.Process | None = None
     peer: Peer | None = None
     serving: bool = False
-    started_once: bool = False
     failures: int = 0
     started_at: float = 0.0
 
@@ -145,8 +144,6 @@ class Supervisor:
             self._changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), 0.1)
-        for worker in self.workers:
-            worker.started_once = True
         return True
 
     def _fix_ports(self) -> None:
