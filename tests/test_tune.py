@@ -1,7 +1,8 @@
 """`geserve tune` on the example MLP, for real: the command starts geserve, perf_analyzer measures each point, and
 what it writes is checked — the winning config.pbtxt loads in a fresh server and answers, the report lists every
 point, the plot is a readable PNG. The sweep is tiny (two configurations, two concurrency levels, 300 ms windows) and
-the budget generous, so a winner exists on a busy machine; a budget nothing can meet shows the early stop."""
+the budget generous, so a winner exists on a busy machine; a budget nothing can meet shows the early stop. Busy-machine
+repeats are not exercised here (whether the machine is busy is not the test's to choose)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ from tests.support.server import geserve
 needs_perf_analyzer = pytest.mark.skipif(
     perf_analyzer.unavailable_reason() is not None, reason=str(perf_analyzer.unavailable_reason())
 )
+# Three 300 ms windows a point, any spread accepted, no busy repeats: this checks the tool, not the figures.
 SMALL_SWEEP = ["--instances", "1", "--max-batch-sizes", "1,8", "--queue-delays-us", "200", "--concurrency", "1,4",
-               "--measurement-interval-ms", "300", "--max-trials", "3", "--max-repeats", "1", "--quiet-wait-s", "5"]
+               "--measurement-interval-ms", "300", "--max-trials", "3", "--stability-percentage", "1000",
+               "--max-repeats", "0"]
 
 
 def tune(repository: Path, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:
