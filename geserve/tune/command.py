@@ -34,15 +34,22 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive_list(text: str) -> tuple[int, ...]:
+    values = _int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got '{text}'")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model-repository", type=Path, required=True, help="the Triton model repository holding the model")
     add("--model", required=True, help="the model to tune (its folder in the repository)")
     add("--latency-budget-ms", type=float, default=20.0, help="the latency (at --percentile) the winner must keep")
-    add("--concurrency", type=_int_list, default=(1, 4, 16), help="client concurrency levels (default 1,4,16)")
+    add("--concurrency", type=_positive_list, default=(1, 4, 16), help="client concurrency levels (default 1,4,16)")
     add("--output-dir", type=Path, help="where config.pbtxt, report.md, tune.png go (default ./tune-<model>)")
-    add("--instances", type=_int_list, default=(1, 2), help="instance counts to try (default 1,2)")
-    add("--max-batch-sizes", type=_int_list, default=(1, 8, 32),
+    add("--instances", type=_positive_list, default=(1, 2), help="instance counts to try (default 1,2)")
+    add("--max-batch-sizes", type=_positive_list, default=(1, 8, 32),
         help="max_batch_size values to try, capped at the model's own (default 1,8,32)")
     add("--queue-delays-us", type=_int_list, default=(0, 500),
         help="dynamic batcher max_queue_delay_microseconds to try with batching (default 0,500)")
