@@ -264,7 +264,7 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, first_signal)
         if self.link is not None:
-            self.link.on_lost = stop_requested.set
+            self.link.on_stop = stop_requested.set
         if any(isinstance(frontend, ReloadsTls) and frontend.serves_tls for frontend in self.frontends):
             loop.add_signal_handler(signal.SIGHUP, self.reload_tls)  # certificate rotation; else SIGHUP is as before
         await self.start()

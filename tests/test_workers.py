@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +24,8 @@ from geserve.statistics import merge_statistics
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.supervisor import MAX_AUTO_WORKERS, worker_count
 from tests.support import models
-from tests.support.server import RunningServer, geserve
+from tests.support.reference import free_port
+from tests.support.server import REPO_ROOT, RunningServer, geserve
 from tests.support.shm import Region
 
 ROUNDS = 24  # new connections per check: the chance that all land on one of two workers is 2 * 2**-24
@@ -54,8 +57,11 @@ def fresh(server: RunningServer) -> httpclient.InferenceServerClient:
 def wait_ready(server: RunningServer, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(fresh(server).is_server_ready() for _ in range(8)):
-            return
+        try:
+            if all(fresh(server).is_server_ready() for _ in range(8)):
+                return
+        except ConnectionRefusedError:  # no worker listens yet
+            pass
         time.sleep(0.2)
     raise AssertionError(f"not ready within {timeout} s:\n{server.log()[-3000:]}")
 
@@ -230,3 +236,25 @@ def test_log_and_trace_settings_change_on_every_worker(server: RunningServer) ->
     fresh(server).update_trace_settings("simple", {"trace_rate": "7"})
     assert all(fresh(server).get_trace_settings("simple")["trace_rate"] == "7" for _ in range(ROUNDS))
     fresh(server).update_trace_settings("simple", {"trace_rate": None})
+
+
+def test_ctrl_c_to_the_process_group_drains_every_worker_once(repo: Path, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (or systemd's SIGTERM to every process) reaches the workers too: each drains once,
+    rather than taking the supervisor's stop as a second signal."""
+    port = free_port()
+    log_path = tmp_path / "log"
+    command = [sys.executable, "-m", "geserve", "serve", "--model-repository", str(repo), "--workers", "2",
+               "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+               "--model-control-mode", "explicit", "--load-model", "simple"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                   start_new_session=True)
+    running = RunningServer(process, port, log_path)
+    try:
+        wait_ready(running)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(30) == 0, running.log()[-3000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "second signal received" not in running.log()

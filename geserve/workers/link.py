@@ -35,8 +35,10 @@ class WorkerLink:
         self._service: InferenceService | None = None
         self._metrics: Callable[[], bytes] = bytes
         self._watch: asyncio.Task[None] | None = None
-        # What happens when the supervisor is gone (killed): the server sets its own stop; alone, a SIGTERM.
-        self.on_lost: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+        # How this worker stops (drains) when the supervisor says so or is gone: the server sets its own stop.
+        # Not a signal: a worker that already got one (a process group's SIGINT, systemd's SIGTERM to every
+        # process) would take the supervisor's as a second one and exit without draining.
+        self.on_stop: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     @classmethod
     def from_environment(cls) -> WorkerLink | None:
@@ -96,10 +98,13 @@ class WorkerLink:
         if method == "server_ready":
             self._ready = bool(args[0])
             return None
+        if method == "stop":
+            self.on_stop()
+            return None
         raise InternalError(f"unknown call '{method}' from the supervisor")
 
     async def _stop_with_supervisor(self, peer: Peer) -> None:
         """A worker whose supervisor is gone (killed) drains and exits as on SIGTERM, rather than serve alone."""
         await peer.closed.wait()
         logger.warning("the supervisor is gone: this worker stops")
-        self.on_lost()
+        self.on_stop()

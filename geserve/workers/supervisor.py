@@ -192,13 +192,19 @@ class Supervisor:
             await self._spawn(worker)
 
     async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> bool:
-        """SIGTERM to every worker (each drains as a single server does), then wait; True when all exited 0."""
+        """Stop every worker (each drains as a single server does on SIGTERM), then wait; True when all exited 0.
+
+        A joined worker is told over its link rather than signalled, so that one which also got the signal itself
+        (Ctrl-C reaches the whole process group) does not count two signals and exit without draining."""
         self._stopping = True
         self._send_ready()
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.process.send_signal(signal.SIGTERM)
+                if worker.peer is not None:
+                    worker.peer.notify("stop")
+                else:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
         deadline = self.settings.exit_timeout_secs + _STOP_GRACE_SECS
         processes = [w.process for w in self.workers if w.process is not None]
         try:
