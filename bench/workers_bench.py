@@ -551,7 +551,8 @@ def report(results: Results, cells: list[Cell], servers: dict[str, Server], samp
     return "\n".join([
         "# geserve workers vs Triton (issue 15)",
         "",
-        f"{meta['date']}, {mode.rounds} alternating round(s), medians shown; {meta['machine']}. "
+        f"{meta['date']}, geserve {meta['commit']} (baseline {meta['baseline']}), {mode.rounds} alternating "
+        f"round(s), medians shown; {meta['machine']}. "
         f"Run time {meta['seconds']:.0f} s: `{meta['command']}`",
         "",
         *cell_table(results, cells, servers, samples),
@@ -590,6 +591,16 @@ def report(results: Results, cells: list[Cell], servers: dict[str, Server], samp
 # ------------------------------------------------------------------------------------------- main
 
 
+def commit() -> str:
+    """HEAD, with "+tree" when the package has uncommitted changes (what the working tree's servers ran)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "geserve")
+    return git("rev-parse", "--short", "HEAD") + ("+tree" if dirty else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, short windows (under ~5 minutes)")
@@ -624,8 +635,7 @@ def main() -> int:
     meta: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": harness.machine(),
         "command": " ".join([".venv/bin/python", "bench/workers_bench.py", *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, check=False).stdout.strip(),
+        "commit": commit(),
         "baseline": args.baseline, "sections": sections, "seconds": time.monotonic() - started,
     }
     text = report(results, cells, servers, samples, mode, found, meta)
