@@ -64,7 +64,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--http-server", choices=["native", "uvicorn"], default="native",
         help="the HTTP server under the ASGI app (geserve's own lean one, or uvicorn)")
     add("--inline-execution-us", type=int, default=250,
-        help="run executions typically shorter than this on the event loop (0: always on instance threads)")
+        help="run executions typically taking less CPU time than this on the event loop (0: always on instance "
+             "threads)")
     add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
     add("--http-header-timeout-secs", type=float, default=15.0,
         help="close a connection that has not sent a request's headers within this many seconds (408)")

@@ -66,7 +66,8 @@ class ServerSettings:
     http_server: str = "native"
     """native: geserve's lean HTTP/1.1 server (default); uvicorn: the same ASGI app on uvicorn."""
     inline_execution_us: int = 250
-    """Executions typically shorter than this run on the event loop instead of an instance thread (0: never)."""
+    """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
+    never)."""
     http_thread_count: int = 0
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
     http_header_timeout_secs: float = 15.0

@@ -2,7 +2,7 @@
 
 Each instance owns one long-lived thread fed through a `queue.SimpleQueue`, and hands results back with
 one `call_soon_threadsafe`: cheaper per request than `run_in_executor`'s executor and future chaining.
-A model whose executions typically take less than `inline_below_us` runs on the event loop instead (unless its
+A model whose executions typically take less than `inline_below_us` of CPU runs on the event loop instead (unless its
 instances say `inline_allowed = False`, as Python models do: they may block on calls back into the loop):
 measured on 2 cores, handing a 60 µs MLP to a thread cost more than the run itself (GIL hand-offs and
 wake-ups), and inline execution lifted it from ~2.8k to ~4k infer/s at concurrency 16.
@@ -45,8 +45,9 @@ class Worker:
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
             requests, future, loop = job
+            started = time.thread_time_ns()
             outcome = _execute(self.instance, requests)
-            loop.call_soon_threadsafe(self._pool._finish, self, future, outcome)
+            loop.call_soon_threadsafe(self._pool._finish, self, future, outcome, time.thread_time_ns() - started)
             # Idle until the next job: hold no reference to this batch's tensors meanwhile.
             del job, requests, future, outcome
 
@@ -84,7 +85,9 @@ class InstancePool:
         self._readiness_checks: list[Callable[[], bool]] = [i.is_ready for i in instances if i.checks_readiness]
         self._free: list[Worker] = list(reversed(self._workers))
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
-        self._typical_ns = 0  # moving average of one execution; decides where the next one runs
+        # Moving average of one execution's CPU time on the thread that runs it; decides where the next one runs.
+        # CPU, not wall time: a run that a busy machine preempted is no reason to pay thread hand-offs after it.
+        self._typical_ns = 0
         # Batches still running whose caller was cancelled: how each is counted once it finishes (`_finish`).
         self._orphans: dict[asyncio.Future[Execution], Callable[[Execution], Results]] = {}
         self.inline_below_ns = inline_below_us * 1000
@@ -124,7 +127,9 @@ class InstancePool:
         started = time.monotonic_ns()
         if worker.inline_allowed and 0 < self._typical_ns <= self.inline_below_ns:
             # Shorter than a thread hand-off costs under the GIL: run it here, the loop stalls less than that.
+            cpu_started = time.thread_time_ns()
             outcome = _execute(worker.instance, requests)
+            self._note(time.thread_time_ns() - cpu_started)
             self.release(worker)
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -157,8 +162,6 @@ class InstancePool:
     ) -> Results:
         """Record one finished execution in the statistics and the requests' compute times; its results."""
         compute = execution.compute
-        total = compute.input_ns + compute.infer_ns + compute.output_ns
-        self._typical_ns = total if not self._typical_ns else (7 * self._typical_ns + total) // 8
         rows = sum(r.batch_size for r in requests) - padding_rows
         count = len(requests) - (1 if padding_rows else 0) - null_requests
         self._statistics.record_execution(
@@ -212,8 +215,14 @@ class InstancePool:
                 return
         self._free.append(worker)
 
-    def _finish(self, worker: Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException) -> None:
+    def _note(self, cpu_ns: int) -> None:
+        self._typical_ns = cpu_ns if not self._typical_ns else (7 * self._typical_ns + cpu_ns) // 8
+
+    def _finish(
+        self, worker: Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException, cpu_ns: int
+    ) -> None:
         """On the loop: the worker is free again (even if its caller was cancelled), and the result delivered."""
+        self._note(cpu_ns)
         self.release(worker)
         if done.done():  # its caller was cancelled (`run`): the execution is counted all the same
             account = self._orphans.pop(done, None)
