@@ -92,10 +92,20 @@ def start_single(repo: Path, system: System, log: Path) -> RunningServer:
 
 
 def deploy(address: str, repo: Path, replicas: int, http_port: int, grpc_port: int, log: Path) -> None:
-    """`geserve ray-serve --detach`: the first call starts Serve on the ports; later ones update the replica
-    count in place (Serve keeps its proxies). Waits until every replica is up."""
+    """`geserve ray-serve --detach`: the first call starts Serve on the ports; later ones deploy the new count
+    after removing the application (Serve keeps its proxies). The machine's cores are split between the replicas
+    (`--num-cpus`), so each configuration has as many ONNX Runtime threads as the single geserve. Waits until
+    every replica is up."""
+    cpus = max(1, len(os.sched_getaffinity(0)) // replicas)
+    # Removed first: a redeploy rolls replicas over (new ones up before old ones go), and the old replica holds
+    # the CPUs the new ones need.
+    remove = ("import contextlib, ray, sys; from ray import serve; ray.init(address=sys.argv[1])\n"
+              "with contextlib.suppress(Exception): serve.delete('geserve')  # none yet: Serve not started")
+    with log.open("ab") as out:
+        subprocess.run([sys.executable, "-c", remove, address], stdout=out, stderr=subprocess.STDOUT, env=ray_env(),
+                       check=True, timeout=300)
     command = [sys.executable, "-m", "geserve", "ray-serve", "--model-repository", str(repo), "--ray-address",
-               address, "--num-replicas", str(replicas), "--num-cpus", "1", "--http-port", str(http_port),
+               address, "--num-replicas", str(replicas), "--num-cpus", str(cpus), "--http-port", str(http_port),
                "--grpc-port", str(grpc_port), "--allow-metrics=false", "--proxy-location", "HeadOnly", "--detach"]
     with log.open("ab") as out:
         subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=ray_env(), check=True,
@@ -160,8 +170,9 @@ def report(systems: list[System], mode: harness.Mode, rounds: int, haproxy: bool
         f"{mode.window_ms * WINDOW_SCALE['resnet50']} ms), stability {mode.stability}%, binary tensors. Models with "
         f"`dynamic_batching {{}}`. Date: {time.strftime('%Y-%m-%d')}. Machine: {harness.machine()}.",
         "",
-        "Ray: a one-node cluster on this machine, one proxy (HTTP and gRPC), replicas of `num_cpus: 1`; the "
-        "single geserve is one process (`--workers 1`) on the same machine. "
+        "Ray: a one-node cluster on this machine, one proxy (HTTP and gRPC), the cores split between the replicas "
+        "(`num_cpus`: 2 for one replica, 1 each for two; a replica's ONNX Runtime threads follow it); the single "
+        "geserve is one process (`--workers 1`) on the same machine. "
         + ("Ray's high-throughput mode: HAProxy on the proxy ports and the replicas' direct ingress "
            "(`RAY_SERVE_ENABLE_HA_PROXY=1`, `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`)." if haproxy
            else "Ray's default proxies (Python actors)."),

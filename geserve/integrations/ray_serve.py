@@ -17,6 +17,7 @@ from typing import Any
 
 from ray import serve
 
+from geserve import devices
 from geserve.frontends.grpc.server import GrpcInferenceServicer
 from geserve.frontends.http.app import HttpFrontend
 from geserve.integrations.ray_grpc import SERVICER_FUNCTION, UNARY_RPCS, forwarder, stream_infer
@@ -43,6 +44,7 @@ class GeserveReplica:
     async def __init__(self, settings: ServerSettings) -> None:  # type: ignore[misc]  # Ray awaits it
         rank = int(serve.get_replica_context().rank.rank)
         own = replace(settings, allow_http=False, allow_grpc=False, metrics_port=settings.metrics_port + rank)
+        _keep_to_reserved_cpus()
         self.server = Server(own)
         await self.server.start()  # loads the repository's models; a failure fails the replica (Ray retries)
         self.grpc_servicer = GrpcInferenceServicer(self.server.service)
@@ -65,6 +67,16 @@ class GeserveReplica:
         if server is not None:
             clean = await server.stop()
             logger.info("geserve replica stopped (%s)", "drained" if clean else "exit timeout: work abandoned")
+
+
+def _keep_to_reserved_cpus() -> None:
+    """ONNX Runtime sizes its thread pools from the cores this process may run on, which are the node's: a replica
+    that reserved fewer CPUs (`num_cpus`) takes its share instead, as a worker of `--workers` does, so replicas
+    sharing a node do not oversubscribe it. Fractional or no CPUs: one core's worth."""
+    import ray
+
+    reserved = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    devices.share_cores(max(1, devices.cpu_count() // max(1, int(reserved))))
 
 
 for _rpc in UNARY_RPCS:
