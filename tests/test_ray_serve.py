@@ -228,6 +228,7 @@ def test_tritonclient_http_and_grpc_through_the_proxies(deployment: Deployment) 
     assert grpc.is_server_live() and grpc.is_server_ready()
     assert (grpc.infer("simple", simple_inputs(grpcclient)).as_numpy("OUTPUT0") == expected).all()
     assert grpc.get_model_config("simple", as_json=True)["config"]["max_batch_size"] == 8
+    assert grpc.get_model_metadata("simple", as_json=True)["versions"] == ["1"]  # what perf_analyzer reads first
     with pytest.raises(grpcclient.InferenceServerException, match="unknown model") as caught:
         grpc.infer("missing", simple_inputs(grpcclient))
     assert caught.value.status() == "StatusCode.NOT_FOUND"  # geserve's status, carried through Ray's proxy

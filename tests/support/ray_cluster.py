@@ -2,7 +2,7 @@
 nodes on this machine, on free ports and a private temporary directory, torn down to the last process.
 
 Each node runs as `ray start --block` in a session of its own: stopping sends it SIGTERM (Ray then stops the
-node's processes), and whatever is left in that process group (workers, replicas) is killed after a grace
+node's processes), and whatever is left in that session (workers, replicas, HAProxy) is killed after a grace
 period. `ray stop` is never used: it stops every Ray process on the machine, other users' too.
 """
 
@@ -118,6 +118,19 @@ def ray_cluster(temp_dir: Path, cpus: Sequence[float] = (1, 1), timeout: float =
         stop_cluster(cluster)
 
 
+def session_members(session: int) -> list[int]:
+    """The processes of a session (by /proc), whatever process group they moved to: Ray's HAProxy manager starts
+    HAProxy in a group of its own, which a killpg of the node's group would miss."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session:  # after ")": state, ppid, pgrp, session
+                    members.append(int(entry.name))
+    return members
+
+
 def stop_cluster(cluster: RayCluster, grace: float = 20.0) -> None:
     """Workers' nodes first, then the head; each node's process group is killed if it outlives `grace`."""
     for node in reversed(cluster.nodes):
@@ -125,8 +138,9 @@ def stop_cluster(cluster: RayCluster, grace: float = 20.0) -> None:
             node.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             node.wait(grace)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(node.pid, signal.SIGKILL)  # our own session: the node's leftovers, nobody else's
+        for pid in session_members(node.pid):  # our own session: the node's leftovers, nobody else's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             node.wait(5)
     cluster.nodes.clear()
