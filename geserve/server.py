@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from geserve import devices
 from geserve.backends.registry import BackendRegistry
-from geserve.devices.nvml import GpuCollector, load_nvml
+from geserve.devices.nvml import GPU_FAMILY_NAMES, GpuCollector, load_nvml
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.base import Frontend
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
@@ -67,7 +67,7 @@ class Server:
             devices.share_cores(link.count)
         self.store = ModelStore(settings.model_repositories)
         # Kept even with --allow-metrics=false, so models that update custom metrics run unchanged.
-        self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES)
+        self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES | GPU_FAMILY_NAMES)
         registry = BackendRegistry(settings.backend_config, self.custom_metrics)
         metrics_config = _metrics_config(settings)
         try:  # Triton's response cache (--cache-config), one for the whole server: None when not configured

@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -56,7 +56,7 @@ class InferenceHost(Protocol):
         """The event loop `infer` runs on, for calls made from other threads (a Python model's BLS requests)."""
         ...
 
-    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
+    def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
         """Every response of `request` as it is sent (any number for a decoupled model, one otherwise), the
         last one flagged final; faults found before the model runs are raised, later ones come as items."""
         ...

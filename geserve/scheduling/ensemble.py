@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 
 from geserve.backends.base import InferenceHost
@@ -32,6 +32,8 @@ _Made = tuple[dict[str, _Value] | None, bool]
 # Where a run of the answering scope waits for the requested outputs, beside its steps' indexes.
 _ANSWER = -1
 _ENDED = StreamResponse(None, final=True)  # a stream that ends without the final flag: as if it came alone
+# Decoupled steps' streams being closed after their ensemble failed (kept referenced until they are).
+_CLOSING: set[asyncio.Task[None]] = set()
 
 
 def _dims_match(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -114,7 +116,7 @@ class _Call:
     run: _Run
     step: StepPlan
     request: InferenceRequest
-    responses: AsyncIterator[StreamResponse] | None = None
+    responses: AsyncGenerator[StreamResponse, None] | None = None
 
 
 class _Execution:
@@ -208,6 +210,7 @@ class _Execution:
             call.responses = self._host.infer_stream(request)
         item = await anext(call.responses, _ENDED)
         if item.error is not None:
+            await call.responses.aclose()  # the step's failure is counted now, not when the collector finds its stream
             raise item.error
         if item.final:
             await anext(call.responses, None)  # read on to the stream's end, where the host closes the step's request
@@ -233,8 +236,13 @@ class _Execution:
     def _fail(self, error: GeserveError) -> None:
         if self._error is None:
             self._error = error
-        # A decoupled step between two of its responses is let go with the ready calls: its stream, an async
-        # generator, closes once dropped.
+        # A decoupled step between two of its responses is let go with the ready calls: its stream is closed now, so
+        # that its request is cancelled and counted now, not whenever the collector finds it.
+        for call in self._ready:
+            if call.responses is not None:
+                closing = asyncio.ensure_future(call.responses.aclose())
+                _CLOSING.add(closing)
+                closing.add_done_callback(_CLOSING.discard)
         self._ready.clear()
         self._answered.clear()
         for task, call in self._tasks.items():

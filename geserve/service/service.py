@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -287,7 +287,7 @@ class InferenceService:
 
     async def infer_stream(
         self, request: InferenceRequest, context: CallContext = IN_PROCESS
-    ) -> AsyncIterator[StreamResponse]:
+    ) -> AsyncGenerator[StreamResponse, None]:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
         model, one otherwise. Faults found before the model runs are raised; later ones come as items."""
         self._admit_inference(request, context, "infer_stream")
@@ -666,7 +666,7 @@ class ModelHost:
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         return await self._service.infer(request, IN_PROCESS)
 
-    def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
+    def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
         return self._service.infer_stream(request, IN_PROCESS)
 
 
