@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -293,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     from geserve.workers.link import WorkerLink
 
     link = WorkerLink.from_environment()  # set when a supervisor started this process as one of its workers
+    if link is not None:  # a terminal's hangup reaches the whole group: the supervisor decides what it means
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     quiet = not getattr(args, "log_info", True)
     logging.basicConfig(
         level=logging.DEBUG if settings.log_verbose else (logging.WARNING if quiet else logging.INFO),

@@ -239,8 +239,8 @@ def test_log_and_trace_settings_change_on_every_worker(server: RunningServer) ->
 
 
 def test_ctrl_c_to_the_process_group_drains_every_worker_once(repo: Path, tmp_path: Path) -> None:
-    """A terminal's Ctrl-C (or systemd's SIGTERM to every process) reaches the workers too: each drains once,
-    rather than taking the supervisor's stop as a second signal."""
+    """A terminal's Ctrl-C reaches the supervisor's process group: it stops its workers (each in a session of its
+    own) over their links, and each drains once."""
     port = free_port()
     log_path = tmp_path / "log"
     command = [sys.executable, "-m", "geserve", "serve", "--model-repository", str(repo), "--workers", "2",
@@ -258,3 +258,30 @@ def test_ctrl_c_to_the_process_group_drains_every_worker_once(repo: Path, tmp_pa
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert "second signal received" not in running.log()
+
+
+def test_sighup_while_workers_start_does_not_fail_the_start(repo: Path, tmp_path: Path) -> None:
+    """A certificate rotation (SIGHUP) that comes while workers are still loading their models: they read the
+    files when they start serving, and the start goes on."""
+    port = free_port()
+    log_path = tmp_path / "log"
+    command = [sys.executable, "-m", "geserve", "serve", "--model-repository", str(repo), "--workers", "2",
+               "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+               "--model-control-mode", "explicit", "--load-model", "simple"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                   start_new_session=True)
+    running = RunningServer(process, port, log_path)
+    try:
+        deadline = time.monotonic() + 30
+        while "worker 1 started" not in running.log():
+            assert time.monotonic() < deadline and process.poll() is None, running.log()[-3000:]
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.SIGHUP)  # the supervisor and the workers still importing
+        wait_ready(running)
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, running.log()[-3000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)

@@ -36,8 +36,8 @@ class WorkerLink:
         self._metrics: Callable[[], bytes] = bytes
         self._watch: asyncio.Task[None] | None = None
         # How this worker stops (drains) when the supervisor says so or is gone: the server sets its own stop.
-        # Not a signal: a worker that already got one (a process group's SIGINT, systemd's SIGTERM to every
-        # process) would take the supervisor's as a second one and exit without draining.
+        # Not a signal: a worker that already got one (systemd's SIGTERM to every process of the service) would
+        # take the supervisor's as a second one and exit without draining.
         self.on_stop: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     @classmethod

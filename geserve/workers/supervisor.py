@@ -166,8 +166,10 @@ class Supervisor:
             COUNT_VARIABLE: str(len(self.workers)),
         })
         worker.serving, worker.peer, worker.started_at = False, None, time.monotonic()
+        # A session of its own: a terminal's Ctrl-C or hangup reaches the supervisor, which decides for the workers
+        # (a worker still importing would die of a SIGHUP it cannot handle yet).
         worker.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "geserve", "serve", *self.argv, env=environment
+            sys.executable, "-m", "geserve", "serve", *self.argv, env=environment, start_new_session=True
         )
         logger.info("worker %d started (pid %d)", worker.index, worker.process.pid)
 
@@ -195,7 +197,8 @@ class Supervisor:
         """Stop every worker (each drains as a single server does on SIGTERM), then wait; True when all exited 0.
 
         A joined worker is told over its link rather than signalled, so that one which also got the signal itself
-        (Ctrl-C reaches the whole process group) does not count two signals and exit without draining."""
+        (systemd signals every process of the service's cgroup) does not count two signals and exit without
+        draining."""
         self._stopping = True
         self._send_ready()
         for worker in self.workers:
@@ -224,9 +227,10 @@ class Supervisor:
                     worker.process.kill()
 
     def _reload_tls(self) -> None:
-        """SIGHUP: every worker re-reads its certificates, and so does the metrics endpoint."""
+        """SIGHUP: every worker re-reads its certificates, and so does the metrics endpoint. A worker still
+        starting is left alone: it reads the files as they are now when it starts serving."""
         for worker in self.workers:
-            if worker.process is not None and worker.process.returncode is None:
+            if worker.peer is not None and worker.process is not None and worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.send_signal(signal.SIGHUP)
         if self._metrics is not None and self._metrics.serves_tls:
