@@ -238,18 +238,23 @@ def test_log_and_trace_settings_change_on_every_worker(server: RunningServer) ->
     fresh(server).update_trace_settings("simple", {"trace_rate": None})
 
 
-def test_ctrl_c_to_the_process_group_drains_every_worker_once(repo: Path, tmp_path: Path) -> None:
-    """A terminal's Ctrl-C reaches the supervisor's process group: it stops its workers (each in a session of its
-    own) over their links, and each drains once."""
+def in_its_own_session(repo: Path, log_path: Path) -> RunningServer:
+    """Two workers serving `simple`, the supervisor leading a process group of its own (as from a terminal)."""
     port = free_port()
-    log_path = tmp_path / "log"
     command = [sys.executable, "-m", "geserve", "serve", "--model-repository", str(repo), "--workers", "2",
                "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
                "--model-control-mode", "explicit", "--load-model", "simple"]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                    start_new_session=True)
-    running = RunningServer(process, port, log_path)
+    return RunningServer(process, port, log_path)
+
+
+def test_ctrl_c_to_the_process_group_drains_every_worker_once(repo: Path, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the supervisor's process group: it stops its workers (each in a session of its
+    own) over their links, and each drains once."""
+    running = in_its_own_session(repo, tmp_path / "log")
+    process = running.process
     try:
         wait_ready(running)
         os.killpg(process.pid, signal.SIGINT)
@@ -263,15 +268,8 @@ def test_ctrl_c_to_the_process_group_drains_every_worker_once(repo: Path, tmp_pa
 def test_sighup_while_workers_start_does_not_fail_the_start(repo: Path, tmp_path: Path) -> None:
     """A certificate rotation (SIGHUP) that comes while workers are still loading their models: they read the
     files when they start serving, and the start goes on."""
-    port = free_port()
-    log_path = tmp_path / "log"
-    command = [sys.executable, "-m", "geserve", "serve", "--model-repository", str(repo), "--workers", "2",
-               "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-               "--model-control-mode", "explicit", "--load-model", "simple"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                   start_new_session=True)
-    running = RunningServer(process, port, log_path)
+    running = in_its_own_session(repo, tmp_path / "log")
+    process = running.process
     try:
         deadline = time.monotonic() + 30
         while "worker 1 started" not in running.log():
