@@ -50,6 +50,7 @@ from google.protobuf import text_format  # noqa: E402
 from harness import Endpoint, Mode, Samples  # noqa: E402
 
 from geserve.devices import threads_per_instance  # noqa: E402
+from geserve.tune.machine import tree_cpu_s, tree_size  # noqa: E402
 from geserve.workers.supervisor import worker_count  # noqa: E402
 from tests.support import reference  # noqa: E402
 from tests.support.server import start_geserve, stop_geserve  # noqa: E402
@@ -57,8 +58,6 @@ from tests.support.server import start_geserve, stop_geserve  # noqa: E402
 SECTIONS = ("http", "grpc", "cpu", "c1", "resnet", "scaling")
 DEFAULT_BASELINE = "38a0d2e"  # the last commit before `--workers` (issue 15)
 QUEUE_DELAY_US = 2000
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-PROC = Path("/proc")
 WINDOW_CAP = 4  # ResNet-50's perf_analyzer window: at most this many times the mode's
 UNSETTLED = 1000  # perf_analyzer --stability-percentage that accepts any windows
 C1_NOISE = 1.10  # c=1 p50 "no worse than the baseline": within 10%, this VM's run-to-run noise at the least
@@ -230,37 +229,6 @@ def warm_up(server: Server, model: str) -> None:
 
 
 # --------------------------------------------------------------------------------------- measuring
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds of ``root`` and every descendant alive now (their own and their reaped children's)."""
-    stats: dict[int, tuple[int, int]] = {}
-    for stat in PROC.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # the process ended while we looked
-        stats[int(stat.parent.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
-    tree, frontier = {root}, {root}
-    while frontier:
-        frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier} - tree
-        tree |= frontier
-    return sum(stats[pid][1] for pid in tree if pid in stats) / CLOCK_TICKS
-
-
-def tree_size(root: int) -> int:
-    """Processes in ``root``'s tree (shown in the report: supervisor + workers, tritonserver + stubs)."""
-    parents = {}
-    for stat in PROC.glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
-            continue
-    tree, frontier = {root}, {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
-        tree |= frontier
-    return len(tree)
 
 
 def served_count(server: Server, model: str) -> int:

@@ -19,22 +19,40 @@ def machine_busy_s() -> tuple[float, float]:
     return (total - values[3] - values[4]) / CLOCK_TICKS, total / CLOCK_TICKS  # minus idle and iowait
 
 
-def own_cpu_s() -> float:
-    """CPU seconds used by this process and all its descendants (the server, perf_analyzer)."""
-    stats: dict[int, tuple[int, float]] = {}
+def _processes() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds of the process and its reaped children), of every process alive now."""
+    table: dict[int, tuple[int, float]] = {}
     for stat in PROC.glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # the process ended while we looked
-        stats[int(stat.parent.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / CLOCK_TICKS)
-    tree: set[int] = set()
-    frontier = {os.getpid()}
+        table[int(stat.parent.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / CLOCK_TICKS)
+    return table
+
+
+def _tree(root: int, table: dict[int, tuple[int, float]]) -> set[int]:
+    tree, frontier = {root}, {root}
     while frontier:
-        frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier} - tree
+        frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier} - tree
         tree |= frontier
-    own = os.times()
-    return own.user + own.system + own.children_user + own.children_system + sum(stats[p][1] for p in tree)
+    return tree
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used by `root` and every descendant alive now (with their reaped children's)."""
+    table = _processes()
+    return sum(table[pid][1] for pid in _tree(root, table) if pid in table)
+
+
+def tree_size(root: int) -> int:
+    """Processes in `root`'s tree now (a server's supervisor and workers, tritonserver and its stubs)."""
+    return len(_tree(root, _processes()))
+
+
+def own_cpu_s() -> float:
+    """CPU seconds used by this process and all its descendants (the server, perf_analyzer)."""
+    return tree_cpu_s(os.getpid())
 
 
 def can_measure() -> bool:
