@@ -35,9 +35,9 @@ class WorkerLink:
         self._service: InferenceService | None = None
         self._metrics: Callable[[], bytes] = bytes
         self._watch: asyncio.Task[None] | None = None
-        # How this worker stops (drains) when the supervisor says so or is gone: the server sets its own stop.
-        # Not a signal: a worker that already got one (systemd's SIGTERM to every process of the service) would
-        # take the supervisor's as a second one and exit without draining.
+        # How this worker stops (drains) when the supervisor says so or is gone. The server sets its own stop, not a
+        # signal: a worker that already got one (systemd's SIGTERM to every process of the service) would take the
+        # supervisor's as a second one and exit without draining. A SIGTERM only for a link used without a server.
         self.on_stop: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     @classmethod
