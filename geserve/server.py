@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from geserve import devices
+from geserve.arrivals import ARRIVALS
 from geserve.backends.registry import BackendRegistry
 from geserve.devices.nvml import GPU_FAMILY_NAMES, GpuCollector, load_nvml
 from geserve.errors import GeserveError, InvalidArgumentError
@@ -194,6 +195,8 @@ class Server:
                 await frontend.start()
                 self._started.append(frontend)
             self._start_polling()
+            if all(frontend.reports_arrivals for frontend in self.frontends):
+                ARRIVALS.bounded()  # every request source is counted: batches may go early (geserve/arrivals.py)
             if self.link is not None:
                 self.link.serving()
         except BaseException:

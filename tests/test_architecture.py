@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: imported by all, import nothing above them
     (
         "geserve.types",
+        "geserve.arrivals",
         "geserve.config",
         "geserve.errors",
         "geserve.statistics",

@@ -88,6 +88,7 @@ class MetricsService(TlsEndpoint):
     _tls: ServerTls | None
 
     name = "metrics"
+    reports_arrivals = True  # it sends no inference requests
 
     def __init__(self, exposition: Exposition, options: MetricsOptions, cpu: CpuSampler | None = None) -> None:
         self.options = options

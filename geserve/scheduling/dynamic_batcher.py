@@ -2,8 +2,10 @@
 
 A batch is formed when an instance is free: it takes queued requests in priority order whose shapes match
 the first one's, up to the row limit. It goes at once when it reaches a preferred size (or the limit); else
-it waits until the oldest request has waited `max_queue_delay`. With batch gears, a batch is cut to a gear
-or padded up to the next one, and the padding is sliced off the outputs.
+it waits until the oldest request has waited `max_queue_delay`, or until no request can come to join it
+(`early_dispatch`, geserve/arrivals.py: every client connection waits on an answer and nothing executes, so waiting
+longer only adds latency; the model parameter `early_batch_dispatch: "false"` turns it off). With batch gears, a
+batch is cut to a gear or padded up to the next one, and the padding is sliced off the outputs.
 
 A caller that is cancelled while its request waits (the client went away) takes the request out of the queue: it
 never runs. One already in a batch runs to the end with the others, and its result is dropped. A request that is
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from geserve.arrivals import ARRIVALS
 from geserve.config import ModelConfig
 from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
@@ -44,6 +47,7 @@ class BatcherSettings:
     policies: dict[int, QueuePolicy] = field(default_factory=dict)
     gears: tuple[int, ...] = ()  # ascending batch sizes the graph was compiled for; () for any size
     adaptive_target_p99_ms: float = 0.0  # 0: off
+    early_dispatch: bool = True  # a batch that no request can join goes before its delay
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> BatcherSettings:
@@ -57,6 +61,7 @@ class BatcherSettings:
         for level, policy in batching.priority_queue_policy.items():
             policies[int(level)] = QueuePolicy.from_config(policy)
         adaptive = config.parameters.get("adaptive_batching_target_p99_ms")
+        early = config.parameters.get("early_batch_dispatch")
         return cls(
             max_batch_size=limit,
             preferred_batch_sizes=preferred,
@@ -69,6 +74,7 @@ class BatcherSettings:
             adaptive_target_p99_ms=_positive_float("adaptive_batching_target_p99_ms", adaptive.string_value)
             if adaptive is not None
             else 0.0,
+            early_dispatch=_flag("early_batch_dispatch", early.string_value) if early is not None else True,
         )
 
 
@@ -90,6 +96,13 @@ def parse_gears(config: ModelConfig) -> tuple[int, ...]:
             f"({config.max_batch_size}), got '{parameter.string_value}'"
         )
     return tuple(gears)
+
+
+def _flag(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidArgumentError(f"parameter '{name}' must be \"true\" or \"false\", got '{text}'")
+    return value == "true"
 
 
 def _positive_float(name: str, text: str) -> float:
@@ -243,7 +256,9 @@ class DynamicBatcher:
             due_at = (self._queue.oldest_enqueued_ns() or now) + delay_ns
             if rows < limit and preferred:
                 batch = batch[:preferred]  # the largest preferred size it holds goes at once
-            elif rows < limit and now < due_at and not self._stopping:
+            elif rows < limit and now < due_at and not self._stopping and not (
+                self._settings.early_dispatch and ARRIVALS.quiet(delay_ns)
+            ):
                 wake_at = min(due_at, next_timeout) if next_timeout else due_at
                 self._arrived.clear()
                 with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before 3.11

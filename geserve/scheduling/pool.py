@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from geserve.arrivals import ARRIVALS
 from geserve.backends.base import Execution, ModelInstance, Results
 from geserve.errors import GeserveError, InternalError, UnavailableError
 from geserve.statistics import ModelStatistics
@@ -125,30 +126,36 @@ class InstancePool:
         of them (one row each) fill a sequence batcher's empty slots: they count in the batch's size, as in Triton,
         but are no inferences of their own."""
         started = time.monotonic_ns()
-        if worker.inline_allowed and 0 < self._typical_ns <= self.inline_below_ns:
-            # Shorter than a thread hand-off costs under the GIL: run it here, the loop stalls less than that.
-            cpu_started = time.thread_time_ns()
-            outcome = _execute(worker.instance, requests)
-            self._note(time.thread_time_ns() - cpu_started)
-            self.release(worker)
-            if isinstance(outcome, BaseException):
-                raise outcome
-            execution = outcome
-        else:
-            loop = asyncio.get_running_loop()
-            done: asyncio.Future[Execution] = loop.create_future()
-            worker.jobs.put((requests, done, loop))
-            try:
-                execution = await done
-            except asyncio.CancelledError:
-                # The caller went away (a cancelled request) while the batch runs: it runs to its end all the same,
-                # and is counted then (`_finish`), as every execution is.
-                account = functools.partial(self._account, requests, started, enqueued_ns, padding_rows, null_requests)
-                if done.cancelled():
-                    self._orphans[done] = account
-                elif done.exception() is None:  # it had finished, and the cancellation came before the result
-                    account(done.result())
-                raise
+        ARRIVALS.executing += 1  # a model may send requests of its own while it runs (geserve/arrivals.py)
+        try:
+            if worker.inline_allowed and 0 < self._typical_ns <= self.inline_below_ns:
+                # Shorter than a thread hand-off costs under the GIL: run it here, the loop stalls less than that.
+                cpu_started = time.thread_time_ns()
+                outcome = _execute(worker.instance, requests)
+                self._note(time.thread_time_ns() - cpu_started)
+                self.release(worker)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                execution = outcome
+            else:
+                loop = asyncio.get_running_loop()
+                done: asyncio.Future[Execution] = loop.create_future()
+                worker.jobs.put((requests, done, loop))
+                try:
+                    execution = await done
+                except asyncio.CancelledError:
+                    # The caller went away (a cancelled request) while the batch runs: it runs to its end all the
+                    # same, and is counted then (`_finish`), as every execution is.
+                    account = functools.partial(
+                        self._account, requests, started, enqueued_ns, padding_rows, null_requests
+                    )
+                    if done.cancelled():
+                        self._orphans[done] = account
+                    elif done.exception() is None:  # it had finished, and the cancellation came before the result
+                        account(done.result())
+                    raise
+        finally:
+            ARRIVALS.executing -= 1
         return self._account(requests, started, enqueued_ns, padding_rows, null_requests, execution)
 
     def _account(

@@ -351,6 +351,7 @@ class GrpcServer(TlsEndpoint):
     _tls: GrpcTls | None
 
     name = "grpc"
+    reports_arrivals = False  # grpc.aio shows no connections; a client may open a stream at any time
 
     def __init__(self, service: InferenceService, options: GrpcOptions) -> None:
         self._service = service

@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from geserve.arrivals import ARRIVALS
 from geserve.frontends.tls import ServerTls, asgi_tls_extension
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class _Connection(asyncio.Protocol):
         self._head_size = 0  # bytes of the header names and values (for the 431 check)
         self._head_raw = 0  # bytes read while a head stays incomplete (bounds a header that never ends)
         self._extensions: dict[str, Any] | None = None  # HTTPS: the scope's "extensions", made once per connection
+        # Counted in ARRIVALS.idle_clients while it may send a request (from its accept until it closes, except
+        # while a request of its is under way): a batcher waits for no request while every client waits on one.
+        self._idle = True
+        ARRIVALS.connected()
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -128,6 +133,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.release(self)
         self._closing = True
+        self.leave_arrivals()
         if self._worker is not None and not self._worker.done():
             # The client went away with a request under way: cancelling the connection's one task cancels the
             # service call it awaits (a queued request leaves its scheduler, counted CANCELED), and nothing is written.
@@ -220,6 +226,10 @@ class _Connection(asyncio.Protocol):
         if request is None or self._closing:
             return
         self._pending.append(request)
+        ARRIVALS.in_transit += 1
+        if self._idle:
+            self._idle = False
+            ARRIVALS.idle_clients -= 1
         if len(self._pending) > _MAX_PIPELINED and not self._paused and self._transport is not None:
             self._transport.pause_reading()
             self._paused = True
@@ -232,6 +242,8 @@ class _Connection(asyncio.Protocol):
         """One task per busy connection answers its requests strictly in arrival order."""
         while self._pending and not self._closing:
             request = self._pending.popleft()
+            if request.rejection is None:
+                ARRIVALS.in_transit -= 1  # from here to its scheduler, the request's handling does not yield
             if self._paused and len(self._pending) <= _MAX_PIPELINED // 2 and self._transport is not None:
                 self._transport.resume_reading()
                 self._paused = False
@@ -250,6 +262,9 @@ class _Connection(asyncio.Protocol):
             if self._server.stopping and not self._pending:
                 self._close()
                 return
+        if not self._closing and not self._idle:  # answered: the client may send its next request
+            self._idle = True
+            ARRIVALS.idle_clients += 1
 
     async def _run_app(self, request: _Request) -> bool:
         body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
@@ -298,9 +313,20 @@ class _Connection(asyncio.Protocol):
 
     def _close(self) -> None:
         self._closing = True
-        self._pending.clear()
+        self._drop_pending()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
+
+    def _drop_pending(self) -> None:
+        ARRIVALS.in_transit -= sum(1 for request in self._pending if request.rejection is None)
+        self._pending.clear()
+
+    def leave_arrivals(self) -> None:
+        """The connection is gone (or never came up): it sends nothing more."""
+        self._drop_pending()
+        if self._idle:
+            self._idle = False
+            ARRIVALS.idle_clients -= 1
 
     def close_if_idle(self) -> None:
         if (self._worker is None or self._worker.done()) and not self._pending:
@@ -560,6 +586,7 @@ class NativeHttpServer:
         if error is not None and not connection.made:  # e.g. the client reset before the transport was made, or
             # a TLS handshake failed (a plaintext client, an untrusted or missing client certificate, a timeout)
             logger.debug("dropped an accepted HTTP connection: %s", error)
+            connection.leave_arrivals()
             sock.close()  # a no-op when the transport closed it already (both loops leave it detached, fd -1)
             self._open -= 1
             self._resume_accepting()

@@ -110,6 +110,7 @@ class HttpService(TlsEndpoint):
             app, host, port, log_verbose, kind, max_body_size, limits, self._tls, reuse_port
         )
         self._task: asyncio.Task[None] | None = None
+        self.reports_arrivals = kind == "native"
 
     async def start(self) -> None:
         if isinstance(self._server, uvicorn.Server) and self._reuse_port:  # uvicorn has no SO_REUSEPORT option

@@ -1,0 +1,90 @@
+"""Early batch dispatch (geserve/arrivals.py) through a real server and the real tritonclient: a batch that no request
+can join goes before its queue delay; clients that connect together, or one that could still send, get Triton's delay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from tests.support import models
+from tests.support.server import RunningServer, geserve
+
+DELAY_S = 1.5  # long against a request's own time on a busy 2-core machine, so "held" and "not held" cannot blur
+HELD = 0.9 * DELAY_S  # a request held for the delay answers after at least this
+NOT_HELD = 0.5 * DELAY_S  # one sent at once answers well before this
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("early") / "models"
+    repo.mkdir()
+    delay = f"max_queue_delay_microseconds: {int(DELAY_S * 1e6)}"
+    models.simple(repo, "early", extra=f"dynamic_batching {{ {delay} }}")
+    models.simple(repo, "kept", extra=f"dynamic_batching {{ {delay} }}\n"
+                  'parameters { key: "early_batch_dispatch" value: { string_value: "false" } }')
+    with geserve([repo], tmp_path_factory.mktemp("logs") / "geserve.log", ["--allow-grpc", "false"]) as running:
+        yield running
+
+
+def _round(client: httpclient.InferenceServerClient, model: str, count: int) -> float:
+    """Seconds `count` inferences sent together took (each on its own connection of the client's pool)."""
+    started = time.monotonic()
+    pending = []
+    for value in range(count):
+        inputs = []
+        for name in ("INPUT0", "INPUT1"):
+            tensor = httpclient.InferInput(name, [1, 16], "INT32")
+            tensor.set_data_from_numpy(np.full((1, 16), value, dtype=np.int32))
+            inputs.append(tensor)
+        pending.append((value, client.async_infer(model, inputs)))
+    for value, call in pending:
+        assert (call.get_result().as_numpy("OUTPUT0") == 2 * value).all()
+    return time.monotonic() - started
+
+
+def _executions(server: RunningServer, model: str) -> tuple[int, int]:
+    with httpclient.InferenceServerClient(server.url) as client:
+        stats = client.get_inference_statistics(model)["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+def test_clients_that_connect_together_get_the_delay_then_persistent_ones_do_not_wait(server: RunningServer) -> None:
+    with httpclient.InferenceServerClient(server.url, concurrency=3) as client:
+        before = _executions(server, "early")
+        assert _round(client, "early", 3) >= HELD  # new connections: their peers may still be connecting
+        time.sleep(DELAY_S)  # the connections are older than the delay now
+        assert _round(client, "early", 3) < NOT_HELD  # every client waits on an answer: nothing more can come
+        after = _executions(server, "early")
+    assert after[0] - before[0] == 6
+    assert after[1] - before[1] <= 3  # batched all the same (one batch per round, or one round split)
+
+
+def test_a_client_that_could_still_send_keeps_the_delay(server: RunningServer) -> None:
+    with httpclient.InferenceServerClient(server.url, concurrency=2) as client:
+        _round(client, "early", 2)
+        time.sleep(DELAY_S)
+        assert _round(client, "early", 1) >= HELD  # the pool's other connection is open and may send: it waits
+
+
+def test_the_model_parameter_turns_it_off(server: RunningServer) -> None:
+    with httpclient.InferenceServerClient(server.url, concurrency=2) as client:
+        _round(client, "kept", 2)
+        time.sleep(DELAY_S)
+        assert _round(client, "kept", 2) >= HELD
+
+
+def test_an_invalid_parameter_fails_the_load(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    models.simple(repo, "bad", extra="dynamic_batching { }\n"
+                  'parameters { key: "early_batch_dispatch" value: { string_value: "soon" } }')
+    with geserve([repo], tmp_path / "log") as running, httpclient.InferenceServerClient(running.url) as client:
+        assert not client.is_model_ready("bad")
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        assert "early_batch_dispatch" in index["bad"]["reason"]
