@@ -98,6 +98,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="grpc_http2_min_recv_ping_interval_without_data_ms", help="ms")
     add("--grpc-http2-max-ping-strikes", type=int, default=2)
     add("--grpc-max-concurrent-streams", type=int, default=1024, help="most concurrent calls per gRPC connection")
+    add("--grpc-server", choices=["native", "grpcio"], default="native",
+        help="the gRPC server: geserve's own on HTTP/2 (cleartext), or grpc.aio (always used under TLS)")
     add("--grpc-use-ssl", type=_bool, nargs="?", const=True, default=False,
         help="gRPC over TLS (needs --grpc-server-cert and --grpc-server-key)")
     add("--grpc-use-ssl-mutual", type=_bool, nargs="?", const=True, default=False,

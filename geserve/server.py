@@ -15,6 +15,7 @@ from geserve.backends.registry import BackendRegistry
 from geserve.devices.nvml import GPU_FAMILY_NAMES, GpuCollector, load_nvml
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.base import Frontend
+from geserve.frontends.grpc.h2_server import NativeGrpcServer
 from geserve.frontends.grpc.server import GrpcOptions, GrpcServer
 from geserve.frontends.http.app import HttpFrontend
 from geserve.frontends.http.native_server import HttpLimits
@@ -132,7 +133,9 @@ class Server:
             build_registry(self.manager, metrics_config, None, self.custom_metrics) if link is not None else None
         )
         if settings.allow_grpc:
-            self.frontends.append(GrpcServer(self.service, GrpcOptions(
+            # The native HTTP/2 server serves cleartext; TLS (dynamic credentials, client certificates): grpc.aio.
+            grpc_server = NativeGrpcServer if settings.grpc_server == "native" and grpc_tls is None else GrpcServer
+            self.frontends.append(grpc_server(self.service, GrpcOptions(
                 settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
                 keepalive_time_ms=settings.grpc_keepalive_time_ms,
                 keepalive_timeout_ms=settings.grpc_keepalive_timeout_ms,

@@ -107,6 +107,8 @@ class ServerSettings:
     """Triton's --grpc-http2-max-ping-strikes: strikes before the connection is closed (0: no limit)."""
     grpc_max_concurrent_streams: int = 1024
     """Most concurrent calls (HTTP/2 streams) one gRPC connection may open."""
+    grpc_server: str = "native"
+    """native: geserve's gRPC server on HTTP/2 (h2; default, cleartext only); grpcio: grpc.aio (always under TLS)."""
     grpc_use_ssl: bool = False
     """Triton's --grpc-use-ssl: serve gRPC over TLS with --grpc-server-cert and --grpc-server-key."""
     grpc_use_ssl_mutual: bool = False

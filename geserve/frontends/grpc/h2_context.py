@@ -1,0 +1,194 @@
+"""One call of the native gRPC server (an HTTP/2 stream): its state, the request messages it receives, and the
+servicer context its handler sees (metadata, peer, deadline, cancellation, abort, streamed writes)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import struct
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+if TYPE_CHECKING:
+    from geserve.frontends.grpc.h2_connection import GrpcH2Connection
+
+PREFIX = struct.Struct(">BI")  # a message's compressed flag and length
+# Transport headers grpc hides from invocation_metadata() (user-agent it keeps); pseudo-headers are hidden too.
+_HIDDEN = frozenset({b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding",
+                     b"grpc-internal-encoding-request"})
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_WBITS = {b"gzip": 31, b"deflate": 15}  # grpc's deflate is zlib's format, gzip gzip's
+_INBOX_LIMIT = 16  # streamed requests waiting for the handler before their bytes go unacknowledged (backpressure)
+
+
+class CallError(Exception):
+    """A fault of the call's transport (an oversized message, an unknown compression): ends it with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def parse_timeout(value: bytes) -> float | None:
+    """Seconds of a grpc-timeout header ("<digits><unit>"), None when malformed (grpc ignores those too)."""
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * unit
+
+
+class H2Call:
+    """The servicer context of one call, and the connection's record of it."""
+
+    __slots__ = ("_metadata", "buffer", "code", "connection", "deadline", "details", "done", "encoding", "headers",
+                 "headers_sent", "inbox", "inbox_waiter", "method", "request", "request_ended", "reset", "stream_id",
+                 "task", "unacked", "window_waiter")
+
+    def __init__(self, connection: GrpcH2Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
+                 headers: list[tuple[bytes, bytes]], deadline: float | None, encoding: bytes | None) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.method = method
+        self.headers = headers
+        self.deadline = deadline
+        self.encoding = encoding
+        self.task: asyncio.Task[None] | None = None
+        self.buffer = b""  # bytes of a message not yet complete
+        self.inbox: collections.deque[bytes] | None = None  # streamed requests: complete messages not yet read
+        self.inbox_waiter: asyncio.Future[None] | None = None
+        self.request: bytes | None = None  # a unary call's request message, until its stream ends
+        self.unacked = 0  # flow-controlled bytes received but not yet handed back (a slow streaming reader)
+        self.request_ended = False
+        self.headers_sent = False
+        self.done = False  # the status went out (or the stream is gone): nothing more may be sent
+        self.reset = False  # the client reset the stream or the connection went away
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.window_waiter: asyncio.Future[None] | None = None
+        self._metadata: tuple[tuple[str, str | bytes], ...] | None = None
+
+    # ---- request messages ---------------------------------------------------------------------------
+
+    def take_messages(self, data: bytes) -> list[bytes]:
+        """Appends received bytes; returns the complete messages they finish (decompressed). Raises CallError."""
+        buffer = self.buffer + data if self.buffer else data
+        messages: list[bytes] = []
+        offset, size = 0, len(buffer)
+        limit = self.connection.max_receive
+        while size - offset >= 5:
+            compressed, length = PREFIX.unpack_from(buffer, offset)
+            if length > limit:
+                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"Received message larger than max ({length} vs. {limit})")
+            end = offset + 5 + length
+            if end > size:
+                break
+            message = buffer[offset + 5:end]
+            messages.append(self._decompress(message, limit) if compressed else message)
+            offset = end
+        self.buffer = buffer[offset:] if offset < size else b""
+        return messages
+
+    def _decompress(self, message: bytes, limit: int) -> bytes:
+        wbits = _WBITS.get(self.encoding or b"")
+        if wbits is None:
+            name = (self.encoding or b"identity").decode("latin-1")
+            raise CallError(grpc.StatusCode.UNIMPLEMENTED, f"Compression algorithm '{name}' is disabled")
+        inflater = zlib.decompressobj(wbits)
+        try:
+            plain = inflater.decompress(message, limit + 1)
+        except zlib.error as exc:
+            raise CallError(grpc.StatusCode.INTERNAL, f"Error decompressing message: {exc}") from None
+        if len(plain) > limit:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"Received message larger than max ({len(plain)} vs. {limit})")
+        return plain
+
+    def deliver(self, messages: list[bytes], ended: bool) -> None:
+        """Streamed requests: queue what arrived for the handler's iterator and wake it."""
+        assert self.inbox is not None
+        self.inbox.extend(messages)
+        self.request_ended = self.request_ended or ended
+        waiter = self.inbox_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def requests(self) -> AsyncIterator[Any]:
+        """The request iterator a request-streaming handler reads."""
+        inbox = self.inbox
+        assert inbox is not None
+        parse: Callable[[bytes], Any] = self.method.request_deserializer or _identity
+        while True:
+            if inbox:
+                message = inbox.popleft()
+                if self.unacked and len(inbox) < _INBOX_LIMIT:
+                    self.connection.acknowledge(self)
+                yield parse(message)
+            elif self.request_ended:
+                return
+            else:
+                self.inbox_waiter = asyncio.get_running_loop().create_future()
+                await self.inbox_waiter
+                self.inbox_waiter = None
+
+    @property
+    def closed(self) -> bool:
+        return self.done
+
+    @property
+    def backlogged(self) -> bool:
+        return self.inbox is not None and len(self.inbox) >= _INBOX_LIMIT
+
+    # ---- the servicer context -------------------------------------------------------------------------
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def peer(self) -> str:
+        return self.connection.peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        metadata = self._metadata
+        if metadata is None:
+            items: list[tuple[str, str | bytes]] = []
+            for name, value in self.headers:
+                if name[:1] == b":" or name in _HIDDEN:
+                    continue
+                key = name.decode("latin-1")
+                if key.endswith("-bin"):
+                    items.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
+                else:
+                    items.append((key, value.decode("latin-1")))
+            metadata = self._metadata = tuple(items)
+        return metadata
+
+    def cancelled(self) -> bool:
+        return self.reset
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}  # cleartext only: TLS calls are served by grpc.aio
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self.code, self.details = code, details
+        raise grpc.aio.AbortError()
+
+    async def write(self, message: Any) -> None:
+        """One response of a response-streaming call, sent as soon as the peer's window allows."""
+        serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
+        await self.connection.send_message(self, serialize(message))
+
+
+def _identity(message: Any) -> Any:
+    return message
