@@ -223,7 +223,11 @@ class InstancePool:
         self._free.append(worker)
 
     def _note(self, cpu_ns: int) -> None:
-        self._typical_ns = cpu_ns if not self._typical_ns else (7 * self._typical_ns + cpu_ns) // 8
+        typical = self._typical_ns
+        # A sample counts for at most twice the typical run: on a VM, time the hypervisor took from the vCPU still
+        # reads as the thread's CPU time, and a few such runs must not send the next ones through thread hand-offs
+        # (which cost more CPU). A model that really got slower doubles the average within about six runs.
+        self._typical_ns = cpu_ns if not typical else (7 * typical + min(cpu_ns, 2 * typical)) // 8
 
     def _finish(
         self, worker: Worker, done: asyncio.Future[Execution], outcome: Execution | BaseException, cpu_ns: int

@@ -114,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self._since = server.clock
         self._head_size = 0  # bytes of the header names and values (for the 431 check)
         self._head_raw = 0  # bytes read while a head stays incomplete (bounds a header that never ends)
+        self._client: tuple[str, int] | None = None
         self._extensions: dict[str, Any] | None = None  # HTTPS: the scope's "extensions", made once per connection
         # Counted in ARRIVALS.idle_clients while it may send a request (from its accept until it closes, except
         # while a request of its is under way): a batcher waits for no request while every client waits on one.
@@ -125,6 +126,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self.made = True
+        peer = transport.get_extra_info("peername")  # once: uvloop asks the socket (a syscall) every time
+        self._client = (peer[0], peer[1]) if peer else None
         tls = self._server.tls
         if tls is not None:  # called once the handshake is done: the peer's certificate is known
             self._extensions = {"tls": asgi_tls_extension(transport, tls.mutual)}
@@ -186,11 +189,16 @@ class _Connection(asyncio.Protocol):
             raise _HeadTooLarge
         self._phase = _BODY
         self._since = server.clock
-        parsed = httptools.parse_url(self._url)
+        url = self._url
+        if b"?" in url or b"%" in url or b"#" in url or not url.startswith(b"/"):
+            parsed = httptools.parse_url(url)
+            path, query = unquote(parsed.path.decode(errors="replace")), parsed.query or b""
+        else:  # the usual request path: nothing to split off or decode
+            path, query = url.decode(errors="replace"), b""
         request = _Request(
             method=self._parser.get_method().decode(),
-            path=unquote(parsed.path.decode(errors="replace")),
-            query=parsed.query or b"",
+            path=path,
+            query=query,
             headers=self._headers,
             keep_alive=self._parser.should_keep_alive(),
             http_version=self._parser.get_http_version(),
@@ -268,7 +276,7 @@ class _Connection(asyncio.Protocol):
 
     async def _run_app(self, request: _Request) -> bool:
         body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
-        scope = self._server.scope(request, self._transport)
+        scope = self._server.scope(request, self._client)
         if self._extensions is not None:
             scope["scheme"] = "https"
             scope["extensions"] = self._extensions
@@ -483,8 +491,7 @@ class NativeHttpServer:
             b'use --http-max-input-size to increase the limit"}' % self.max_body_size
         )
 
-    def scope(self, request: _Request, transport: asyncio.Transport | None) -> dict[str, Any]:
-        client = transport.get_extra_info("peername") if transport is not None else None
+    def scope(self, request: _Request, client: tuple[str, int] | None) -> dict[str, Any]:
         return {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -496,7 +503,7 @@ class NativeHttpServer:
             "query_string": request.query,
             "root_path": "",
             "headers": request.headers,
-            "client": client[:2] if client else None,
+            "client": client,
             "server": self._server_address,
         }
 
