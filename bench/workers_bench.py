@@ -7,7 +7,8 @@ sides of a ratio are measured minutes apart, so machine noise hits both alike). 
 
 - http: MLP c=16 over HTTP, geserve with `--workers` auto (one per core) vs Triton 2.51 (Python-backend models
   running the same ONNX Runtime session), both without batching and both with
-  `dynamic_batching { max_queue_delay_microseconds: 2000 }` (each server on its own repository copy);
+  `dynamic_batching { max_queue_delay_microseconds: 2000 }` (each server on its own repository copy), and geserve
+  with batching and its early dispatch turned off (`early_batch_dispatch: "false"`: Triton's wait for the delay);
 - grpc: MLP c=16 over gRPC: geserve unary and streaming (`--streaming`), Triton unary;
 - cpu: server CPU per inference over HTTP (from /proc: the whole process tree, i.e. geserve's supervisor and
   workers, tritonserver and its python-backend stubs), from the http section's runs; also perf_analyzer's own
@@ -119,16 +120,19 @@ class Sample:
         return self.pa_cpu_s / self.wall_s
 
 
-def config_with(model_dir: Path, delay_us: int | None) -> str:
-    """``model_dir``'s config.pbtxt with ``dynamic_batching`` added (a queue delay when ``delay_us`` is given)."""
+def config_with(model_dir: Path, delay_us: int | None, early: bool = True) -> str:
+    """``model_dir``'s config.pbtxt with ``dynamic_batching`` added (a queue delay when ``delay_us`` is given;
+    geserve's early dispatch turned off when not ``early``)."""
     config = harness.load_config(model_dir)
     config.dynamic_batching.SetInParent()
     if delay_us is not None:
         config.dynamic_batching.max_queue_delay_microseconds = delay_us
+    if not early:
+        config.parameters["early_batch_dispatch"].string_value = "false"
     return str(text_format.MessageToString(config))
 
 
-def geserve_repo(model: str, dest: Path, batching: bool, delay_us: int | None = None) -> Path:
+def geserve_repo(model: str, dest: Path, batching: bool, delay_us: int | None = None, early: bool = True) -> Path:
     """A repository of ``model`` alone: a link to the example, or a copy of links whose config adds batching."""
     dest.mkdir(parents=True)
     source = harness.EXAMPLES / model
@@ -139,7 +143,7 @@ def geserve_repo(model: str, dest: Path, batching: bool, delay_us: int | None = 
     for item in source.iterdir():
         if item.name not in ("config.pbtxt", ".stamp"):
             (dest / model / item.name).symlink_to(item, target_is_directory=item.is_dir())
-    (dest / model / "config.pbtxt").write_text(config_with(source, delay_us))
+    (dest / model / "config.pbtxt").write_text(config_with(source, delay_us, early))
     return dest
 
 
@@ -284,7 +288,8 @@ def plan(sections: list[str], workers_list: list[int]) -> list[Cell]:
         cells += [Cell("http", "MLP HTTP c=16 geserve", "g_auto", "mlp"),
                   Cell("http", "MLP HTTP c=16 Triton", "triton", "mlp"),
                   Cell("http", "MLP HTTP c=16 geserve + DB", "g_auto_db", "mlp"),
-                  Cell("http", "MLP HTTP c=16 Triton + DB", "triton_db", "mlp")]
+                  Cell("http", "MLP HTTP c=16 Triton + DB", "triton_db", "mlp"),
+                  Cell("http", "MLP HTTP c=16 geserve + DB, early dispatch off", "g_auto_db_late", "mlp")]
     if "grpc" in sections:
         cells += [Cell("grpc", "MLP gRPC c=16 geserve unary", "g_auto", "mlp", "grpc"),
                   Cell("grpc", "MLP gRPC c=16 geserve streaming", "g_auto", "mlp", "grpc", streaming=True),
@@ -319,11 +324,12 @@ def start_servers(stack: ExitStack, cells: list[Cell], tmp: Path, baseline: str,
                                           resnet_workers)
             stack.callback(server.stop)
         else:
-            batching = name == "g_auto_db"
+            batching, early = name.startswith("g_auto_db"), name != "g_auto_db_late"
             count = 0 if name.startswith("g_auto") else int(name.removeprefix("g_"))
             label = f"geserve --workers {worker_count(count)}{' (auto)' if count == 0 else ''}"
-            server = start_geserve_server(name, label + (" + DB" if batching else ""),
-                                          geserve_repo("mlp", tmp / name, batching, QUEUE_DELAY_US), count)
+            label += (" + DB" if batching else "") + ("" if early else ", early dispatch off")
+            server = start_geserve_server(name, label,
+                                          geserve_repo("mlp", tmp / name, batching, QUEUE_DELAY_US, early), count)
             stack.callback(server.stop)
         servers[name] = server
         warm_up(server, "resnet50" if name == "g_resnet" else "mlp")
