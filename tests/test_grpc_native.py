@@ -1,0 +1,299 @@
+"""The native gRPC server (frontends/grpc/h2_server.py) against a real geserve process: it answers as grpc.aio does
+(`--grpc-server grpcio`, run side by side), with the real tritonclient (sync, asyncio, streaming) and grpcio's own
+stubs, and holds up to what only a raw HTTP/2 client can send (garbage, ping floods, too many streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from geserve.frontends.grpc.health import SERVING, HealthCheckRequest, HealthCheckResponse
+from tests.support import models
+from tests.support.server import RunningServer, geserve
+
+A = np.arange(16, dtype=np.int32)[None]
+B = np.full((1, 16), 3, dtype=np.int32)
+MAX_STREAMS = 8
+LIVE = "/inference.GRPCInferenceService/ServerLive"
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("grpc_native") / "models"
+    models.simple(repo)
+    models.identity(repo, "fp16")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def native(repo: Path) -> Iterator[RunningServer]:
+    # Keepalive pings every 0.5 s, answered within 1 s, on idle connections too: the raw-client tests see them.
+    flags = ["--grpc-max-concurrent-streams", str(MAX_STREAMS), "--grpc-keepalive-time", "500",
+             "--grpc-keepalive-timeout", "1000", "--grpc-keepalive-permit-without-calls"]
+    with geserve([repo], repo.parent / "native.log", flags) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def grpcio(repo: Path) -> Iterator[RunningServer]:
+    with geserve([repo], repo.parent / "grpcio.log", ["--grpc-server", "grpcio"]) as running:
+        yield running
+
+
+def simple_inputs() -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, value in (("INPUT0", A), ("INPUT1", B)):
+        tensor = grpcclient.InferInput(name, list(value.shape), "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+def outcomes(url: str) -> list[Any]:
+    """What a handful of RPCs answer, successes and failures, in a form two servers can be compared by."""
+    seen: list[Any] = []
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        seen.append(stub.ServerLive(pb.ServerLiveRequest()).live)
+        seen.append(stub.ModelReady(pb.ModelReadyRequest(name="simple")).ready)
+        metadata = stub.ModelMetadata(pb.ModelMetadataRequest(name="simple"))
+        seen.append(metadata.SerializeToString(deterministic=True))
+        for call in (
+            lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="nope")),
+            lambda: stub.ModelInfer(pb.ModelInferRequest(model_name="nope")),
+            lambda: stub.ModelInfer(pb.ModelInferRequest(model_name="simple")),  # no inputs
+            lambda: channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(b"\xff\xff\xff"),
+            lambda: channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")(b""),
+            lambda: channel.unary_unary("/no.Such/Service")(b""),
+        ):
+            with pytest.raises(grpc.RpcError) as failed:
+                call()
+            seen.append((failed.value.code(), failed.value.details()))
+    with grpcclient.InferenceServerClient(url) as client:
+        result = client.infer("simple", simple_inputs(), request_id="7")
+        outputs = [result.as_numpy(name).tolist() for name in ("OUTPUT0", "OUTPUT1")]
+        seen.append((result.get_response().id, outputs))
+    return seen
+
+
+def test_both_servers_answer_alike(native: RunningServer, grpcio: RunningServer) -> None:
+    assert "native HTTP/2" in native.log() and "native HTTP/2" not in grpcio.log()
+    theirs, ours = outcomes(grpcio.grpc_url), outcomes(native.grpc_url)
+    assert ours == theirs
+    assert ours[3][0] == grpc.StatusCode.NOT_FOUND
+    assert ours[6][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert ours[7:9] == [(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")] * 2
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_a_compressed_request(native: RunningServer, algorithm: str) -> None:
+    with grpcclient.InferenceServerClient(native.grpc_url) as client:
+        result = client.infer("simple", simple_inputs(), compression_algorithm=algorithm)
+    assert (result.as_numpy("OUTPUT0") == A + B).all()
+
+
+def test_messages_larger_than_the_flow_control_windows(native: RunningServer) -> None:
+    """6 MB each way: more than the client's initial window (64 KiB) and than ours (4 MiB) for the request."""
+    data = np.random.default_rng(0).standard_normal((1, 3_000_000)).astype(np.float16)
+    tensor = grpcclient.InferInput("INPUT0", list(data.shape), "FP16")
+    tensor.set_data_from_numpy(data)
+    with grpcclient.InferenceServerClient(native.grpc_url) as client:
+        for _ in range(2):
+            result = client.infer("identity_fp16", [tensor])
+            assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+
+
+def test_a_stream_of_many_requests(native: RunningServer) -> None:
+    count = 300
+
+    async def run() -> list[str]:
+        async with aioclient.InferenceServerClient(native.grpc_url) as client:
+            async def requests() -> Any:
+                for index in range(count):
+                    inputs = []
+                    for name, value in (("INPUT0", A + index), ("INPUT1", B)):
+                        tensor = aioclient.InferInput(name, list(value.shape), "INT32")
+                        tensor.set_data_from_numpy(value)
+                        inputs.append(tensor)
+                    yield {"model_name": "simple", "inputs": inputs, "request_id": str(index)}
+
+            ids = []
+            async for result, error in client.stream_infer(requests()):
+                assert error is None
+                index = int(result.get_response().id)
+                assert (result.as_numpy("OUTPUT0") == A + index + B).all()
+                ids.append(result.get_response().id)
+                if len(ids) == count:
+                    break
+            return ids
+
+    assert sorted(asyncio.run(run()), key=int) == [str(i) for i in range(count)]
+
+
+def health(channel: grpc.Channel) -> tuple[Any, Any]:
+    coding = {"request_serializer": HealthCheckRequest.SerializeToString,
+              "response_deserializer": HealthCheckResponse.FromString}
+    check = channel.unary_unary("/grpc.health.v1.Health/Check", **coding)
+    watch = channel.unary_stream("/grpc.health.v1.Health/Watch", **coding)
+    return check, watch
+
+
+def test_health_check_and_watch(native: RunningServer) -> None:
+    with grpc.insecure_channel(native.grpc_url) as channel:
+        check, watch = health(channel)
+        assert check(HealthCheckRequest(service="")).status == SERVING
+        with pytest.raises(grpc.RpcError) as failed:
+            check(HealthCheckRequest(service="other"))
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+        updates = watch(HealthCheckRequest(service="inference.GRPCInferenceService"))
+        assert next(updates).status == SERVING
+        updates.cancel()
+
+
+def test_cancelled_calls_and_deadlines_leave_other_calls_alone(native: RunningServer) -> None:
+    """Watch never ends by itself: cancelling it, or its deadline passing, ends it mid-call (RST_STREAM)."""
+    with grpc.insecure_channel(native.grpc_url) as channel:
+        _, watch = health(channel)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        watches = [watch(HealthCheckRequest(service="")) for _ in range(3)]
+        assert all(next(updates).status == SERVING for updates in watches)
+        watches[0].cancel()
+        expiring = watch(HealthCheckRequest(service=""), timeout=0.3)
+        assert next(expiring).status == SERVING
+        with pytest.raises(grpc.RpcError) as failed:
+            next(expiring)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert stub.ServerLive(pb.ServerLiveRequest()).live
+        for updates in watches[1:]:
+            updates.cancel()
+    with grpcclient.InferenceServerClient(native.grpc_url) as client, pytest.raises(InferenceServerException) as late:
+        client.infer("simple", simple_inputs(), client_timeout=1e-6)
+    assert "Deadline" in str(late.value)
+    with grpcclient.InferenceServerClient(native.grpc_url) as client:
+        assert (client.infer("simple", simple_inputs()).as_numpy("OUTPUT1") == A - B).all()
+
+
+# ---- a raw HTTP/2 client: what no well-behaved client sends ---------------------------------------------------
+
+
+class RawClient:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        self.conn.initiate_connection()
+        self.send()
+
+    def send(self) -> None:
+        self.sock.sendall(self.conn.data_to_send())
+
+    def start_call(self, path: str = LIVE) -> int:
+        stream = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                                        (":authority", "localhost"), ("content-type", "application/grpc"),
+                                        ("te", "trailers")])
+        return stream
+
+    def events(self, until: type, answer: bool = True, timeout: float = 5.0) -> list[Any]:
+        """Events received until one of type `until` (or the connection closes, or `timeout`)."""
+        seen: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not data:
+                seen.append("closed")
+                break
+            seen.extend(self.conn.receive_data(data))
+            if answer:
+                self.send()
+            if any(isinstance(event, until) for event in seen):
+                break
+        return seen
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def assert_serving(server: RunningServer) -> None:
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        assert client.is_server_live()
+
+
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"PRI * HTTP/2.0\r\n", b"\x00" * 100])
+def test_garbage_and_truncated_prefaces_do_not_hurt_the_server(native: RunningServer, garbage: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", native.grpc_port), timeout=5) as sock:
+        sock.sendall(garbage)
+    assert_serving(native)
+
+
+def test_a_wrong_content_type_is_415_and_a_call_cut_off_is_forgotten(native: RunningServer) -> None:
+    client = RawClient(native.grpc_port)
+    stream = client.conn.get_next_available_stream_id()
+    client.conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", LIVE),
+                                      (":authority", "x"), ("content-type", "application/json")], end_stream=True)
+    client.start_call()  # a call whose request never comes: the connection closes under it
+    client.send()
+    events = client.events(until=h2.events.ResponseReceived)
+    response = next(event for event in events if isinstance(event, h2.events.ResponseReceived))
+    assert (b":status", b"415") in response.headers
+    client.close()
+    assert_serving(native)
+
+
+def test_streams_past_the_limit_are_refused_not_the_connection(native: RunningServer) -> None:
+    client = RawClient(native.grpc_port)  # sends before reading the server's SETTINGS, as a careless client would
+    streams = [client.start_call() for _ in range(MAX_STREAMS + 2)]
+    client.send()
+    events = client.events(until=h2.events.StreamReset)
+    refused = [event.stream_id for event in events if isinstance(event, h2.events.StreamReset)]
+    assert refused and set(refused) <= set(streams[MAX_STREAMS:])
+    assert all(event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM
+               for event in events if isinstance(event, h2.events.StreamReset))
+    client.conn.send_data(streams[0], b"\x00\x00\x00\x00\x00", end_stream=True)  # an empty ServerLiveRequest
+    client.send()
+    events = client.events(until=h2.events.TrailersReceived)
+    trailers = next(event for event in events if isinstance(event, h2.events.TrailersReceived))
+    assert (b"grpc-status", b"0") in trailers.headers
+    client.close()
+
+
+def test_a_ping_flood_ends_with_too_many_pings(native: RunningServer) -> None:
+    """No call under way: a client may ping once per two hours; the default 2 strikes are allowed, the third not."""
+    client = RawClient(native.grpc_port)
+    for index in range(4):
+        client.conn.ping(b"flood%03d" % index)
+    client.send()
+    events = client.events(until=h2.events.ConnectionTerminated)
+    goaway = next(event for event in events if isinstance(event, h2.events.ConnectionTerminated))
+    assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert goaway.additional_data == b"too_many_pings"
+    client.close()
+
+
+def test_keepalive_pings_and_closes_a_silent_peer(native: RunningServer) -> None:
+    client = RawClient(native.grpc_port)
+    events = client.events(until=h2.events.PingReceived, answer=False, timeout=3)
+    assert any(isinstance(event, h2.events.PingReceived) for event in events)
+    events = client.events(until=h2.events.ConnectionTerminated, answer=False, timeout=3)
+    assert "closed" in events  # the ping went unanswered for the keepalive timeout (1 s)
+    client.close()
+    assert_serving(native)
