@@ -1,7 +1,8 @@
 """The batched path's thread policy: one MLP batch of 16 rows, run back to back or after an idle gap (as batches
 arrive from a dynamic batcher with a 2 ms queue delay), by ONNX Runtime with 1 intra-op thread, and with 2 threads
-with spinning off and on. Reports latency p50 and the process's CPU per batch (spinning threads included), in
-alternating rounds. Writes bench/results/spin.md.
+with spinning off, on, and on for a bounded time (`session.intra_op.spin_duration_us`: the threads stay warm while
+batches come back to back and sleep once the gap is longer, ONNX Runtime's own adaptive policy). Reports latency
+p50 and the process's CPU per batch (spinning threads included), in alternating rounds. Writes bench/results/spin.md.
 
 Usage: .venv/bin/python bench/spin_bench.py [--rounds N] [--batches N]
 """
@@ -19,16 +20,20 @@ import onnxruntime as ort
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "model_repository" / "mlp" / "1" / "model.onnx"
-POLICIES = (("1 thread", 1, "0"), ("2 threads, spinning off", 2, "0"), ("2 threads, spinning on", 2, "1"))
+SPIN_US = 200  # the bounded policy's spin: longer than a back-to-back batch's gap here, shorter than an idle one
+POLICIES = (("1 thread", 1, "0", None), ("2 threads, spinning off", 2, "0", None),
+            ("2 threads, spinning on", 2, "1", None), (f"2 threads, spinning for {SPIN_US} µs", 2, "1", SPIN_US))
 GAPS_MS = (0.0, 0.5, 2.0)
 
 
-def session(threads: int, spinning: str) -> ort.InferenceSession:
+def session(threads: int, spinning: str, spin_us: int | None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    if spin_us is not None:
+        options.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
     return ort.InferenceSession(str(MODEL), options, providers=["CPUExecutionProvider"])
 
 
@@ -56,7 +61,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=400)
     args = parser.parse_args()
-    sessions = {label: session(threads, spin) for label, threads, spin in POLICIES}
+    sessions = {label: session(threads, spin, spin_us) for label, threads, spin, spin_us in POLICIES}
     results: dict[tuple[str, float], list[tuple[float, float]]] = {}
     for round_index in range(args.rounds):
         order = list(sessions.items())
@@ -71,7 +76,7 @@ def main() -> int:
         "| policy | gap before each batch | p50 latency (µs) | CPU per batch (µs) |", "|---|---:|---:|---:|",
     ]
     for gap in GAPS_MS:
-        for label, _, _ in POLICIES:
+        for label, *_ in POLICIES:
             samples = results[(label, gap)]
             p50 = statistics.median(s[0] for s in samples)
             cpu = statistics.median(s[1] for s in samples)
