@@ -25,6 +25,8 @@ from geserve.frontends.grpc.h2_context import PREFIX, CallError, H2Call, parse_t
 from geserve.frontends.grpc.server import GrpcOptions
 
 logger = logging.getLogger(__name__)
+# hpack logs every header it decodes at DEBUG, tokens and keys included: never, whatever --log-verbose says.
+logging.getLogger("hpack").setLevel(logging.WARNING)
 
 if TYPE_CHECKING:  # generic in the stubs only
     Method: TypeAlias = grpc.RpcMethodHandler[Any, Any]
@@ -86,8 +88,10 @@ class _H2Connection(h2.connection.H2Connection):
 
     def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[h2.events.Event]]:
         sid = frame.stream_id
-        if (sid not in self.streams and sid > self.highest_inbound_stream_id and sid % 2
-                and self.open_inbound_streams >= self.local_settings.max_concurrent_streams):
+        limit = self.local_settings.max_concurrent_streams
+        # len(streams) bounds the open ones from above: the count (a walk of every stream) only near the limit
+        if (len(self.streams) >= limit and sid not in self.streams and sid > self.highest_inbound_stream_id
+                and sid % 2 and self.open_inbound_streams >= limit):
             h2.connection._decode_headers(self.decoder, frame.data)  # keeps HPACK's table in step with the client's
             self.highest_inbound_stream_id = sid
             self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM  # its DATA: acknowledged, answered RST
