@@ -4,6 +4,8 @@ can join goes before its queue delay; clients that connect together, or one that
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo.mkdir()
     delay = f"max_queue_delay_microseconds: {int(DELAY_S * 1e6)}"
     models.simple(repo, "early", extra=f"dynamic_batching {{ {delay} }}")
+    models.simple(repo, "plain")
     models.simple(repo, "kept", extra=f"dynamic_batching {{ {delay} }}\n"
                   'parameters { key: "early_batch_dispatch" value: { string_value: "false" } }')
     with geserve([repo], tmp_path_factory.mktemp("logs") / "geserve.log", ["--allow-grpc", "false"]) as running:
@@ -77,6 +80,37 @@ def test_the_model_parameter_turns_it_off(server: RunningServer) -> None:
         _round(client, "kept", 2)
         time.sleep(DELAY_S)
         assert _round(client, "kept", 2) >= HELD
+
+
+def _post(path: str, body: bytes) -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def test_unusual_connections_leave_the_counts_whole(server: RunningServer) -> None:
+    """Pipelined requests, a client gone with its request queued, a malformed request, a connection that never sends:
+    once they are closed, persistent clients still see their batches go at once (a count left off either way would
+    keep the batcher waiting)."""
+    body = json.dumps({"inputs": [
+        {"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))} for n in ("INPUT0", "INPUT1")
+    ]}).encode()
+    address = ("127.0.0.1", server.http_port)
+    with socket.create_connection(address, timeout=10) as pipelined:
+        pipelined.sendall(_post("/v2/models/plain/infer", body) * 3)
+        received = b""
+        while received.count(b"HTTP/1.1 200") < 3:
+            received += pipelined.recv(65536)
+    with socket.create_connection(address, timeout=10) as gone:
+        gone.sendall(_post("/v2/models/early/infer", body))  # queued for the delay: a new connection's peers may come
+        time.sleep(0.2)
+    with socket.create_connection(address, timeout=10) as malformed:
+        malformed.sendall(b"NOT HTTP\r\n\r\n")
+        assert malformed.recv(4096).startswith(b"HTTP/1.1 400")
+    socket.create_connection(address, timeout=10).close()
+    time.sleep(DELAY_S)  # the client gone has been answered to nobody; the connections above are all closed
+    with httpclient.InferenceServerClient(server.url, concurrency=2) as client:
+        _round(client, "early", 2)
+        time.sleep(DELAY_S)
+        assert _round(client, "early", 2) < NOT_HELD
 
 
 def test_an_invalid_parameter_fails_the_load(tmp_path: Path) -> None:
