@@ -39,6 +39,7 @@ from geserve.service.tracing.config import TraceConfigError, parse_trace_config
 from geserve.service.tracing.otel import OtelUnavailable
 from geserve.service.tracing.tracer import Tracing
 from geserve.settings import ServerSettings
+from geserve.workers.dispatch import HTTP, Adopter, handed_kinds
 from geserve.workers.link import WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,10 @@ class Server:
         self._worker_registry = (
             build_registry(self.manager, metrics_config, None, self.custom_metrics) if link is not None else None
         )
+        # With --workers, the supervisor accepts the native servers' connections and hands them over
+        # (workers/dispatch.py): their worker frontends bind nothing.
+        handed = handed_kinds(settings) if link is not None and link.handoff is not None else frozenset()
+        self._adopters: dict[bytes, Adopter] = {}
         if settings.allow_grpc:
             # The native HTTP/2 server serves cleartext; TLS (dynamic credentials, client certificates): grpc.aio.
             grpc_server = NativeGrpcServer if settings.grpc_server == "native" and grpc_tls is None else GrpcServer
@@ -149,7 +154,7 @@ class Server:
             )))
         if settings.allow_http:
             app = HttpFrontend(self.service, settings.http_max_input_size)
-            self.frontends.append(HttpService(
+            http = HttpService(
                 app, settings.http_address, settings.http_port, log_verbose=settings.log_verbose,
                 kind=settings.http_server, max_body_size=settings.http_max_input_size,
                 limits=HttpLimits(
@@ -162,7 +167,11 @@ class Server:
                 ),
                 tls=http_tls,
                 reuse_port=link is not None,
-            ))
+                adopting=HTTP in handed,
+            )
+            self.frontends.append(http)
+            if HTTP in handed:
+                self._adopters[HTTP] = http.adopt
         self._started: list[Frontend] = []
 
     async def load_initial_models(self) -> None:
@@ -201,6 +210,7 @@ class Server:
             if all(frontend.reports_arrivals for frontend in self.frontends):
                 ARRIVALS.bounded()  # every request source is counted: batches may go early (geserve/arrivals.py)
             if self.link is not None:
+                self.link.receive_connections(self._adopters)
                 self.link.serving()
         except BaseException:
             await self._stop_frontends(time.monotonic() + self.settings.exit_timeout_secs)

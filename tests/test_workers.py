@@ -1,16 +1,19 @@
 """`--workers N`: several processes on the same ports that behave as one server, through the real tritonclient.
 
-Each request below that must be able to land on any worker opens a new connection (a new client): the kernel
-spreads connections over the workers' sockets (SO_REUSEPORT), so a run of them reaches every worker."""
+Each request below that must be able to land on any worker opens a new connection (a new client): the supervisor
+hands each new connection to the worker holding the fewest (geserve/workers/dispatch.py), so a run of them reaches
+every worker."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +43,34 @@ def workers_of(server: RunningServer) -> list[int]:
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def http_connections(server: RunningServer) -> list[int]:
+    """Established connections to the HTTP port each worker holds (from /proc: its socket descriptors' inodes)."""
+    established: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == server.http_port and fields[3] == "01":
+                established.add(fields[9])
+    counts = []
+    for pid in workers_of(server):
+        inodes = set()
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        counts.append(len(inodes & established))
+    return counts
+
+
+def live_connection(server: RunningServer) -> socket.socket:
+    """A connection that has been answered once, so a worker holds it."""
+    sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    return sock
 
 
 def simple_request(client: httpclient.InferenceServerClient, model: str = "simple") -> np.ndarray:
@@ -93,6 +124,48 @@ def test_two_workers_share_the_ports_and_both_serve(server: RunningServer) -> No
         assert simple_request(fresh(server))[0, 3] == 4
     after = [cpu_ticks(pid) for pid in workers]
     assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
+
+
+def test_connections_are_spread_evenly_and_their_closes_counted(server: RunningServer) -> None:
+    first = [live_connection(server) for _ in range(8)]
+    second: list[socket.socket] = []
+    try:
+        assert http_connections(server) == [4, 4]
+        for sock in first[:3] + first[-1:]:  # the supervisor learns of these closes, whichever worker held them
+            sock.close()
+        deadline = time.monotonic() + 10
+        while sum(http_connections(server)) > 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)  # the workers' reports reach the supervisor
+        second = [live_connection(server) for _ in range(4)]
+        assert http_connections(server) == [4, 4]
+    finally:
+        for sock in first + second:
+            sock.close()
+
+
+def test_at_the_connection_cap_new_clients_wait_for_a_place(repo: Path, tmp_path: Path) -> None:
+    """--http-max-connections is each worker's: beyond them all, a client waits in the backlog (as with one process),
+    and is served once a place frees up."""
+    args = ["--workers", "2", "--model-control-mode", "explicit", "--load-model", "simple",
+            "--http-max-connections", "1"]
+    with geserve([repo], tmp_path / "log", args) as running:
+        wait_ready(running)
+        held = [live_connection(running) for _ in range(2)]
+        waiting = socket.create_connection(("127.0.0.1", running.http_port), timeout=10)
+        try:
+            waiting.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            waiting.settimeout(1.0)
+            with pytest.raises(TimeoutError):
+                waiting.recv(4096)
+            held.pop().close()
+            waiting.settimeout(10)
+            assert waiting.recv(4096).startswith(b"HTTP/1.1 200")
+        finally:
+            waiting.close()
+            for sock in held:
+                sock.close()
 
 
 def test_statistics_and_metrics_answer_for_the_whole_server(server: RunningServer) -> None:

@@ -7,12 +7,14 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
 from geserve.errors import InternalError
 from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.workers.dispatch import HANDOFF_VARIABLE, Adopter, Receiver
 from geserve.workers.wire import Peer
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,10 @@ class WorkerLink:
     """Connects to the supervisor's socket; `join` takes the server's control state (models loaded and unloaded,
     shared memory regions, log settings) before this worker serves."""
 
-    def __init__(self, socket_path: str, index: int, count: int) -> None:
+    def __init__(self, socket_path: str, index: int, count: int, handoff: socket.socket | None = None) -> None:
         self.socket_path = socket_path
+        self.handoff = handoff  # where the supervisor hands this worker its connections (workers/dispatch.py)
+        self._receiver: Receiver | None = None
         self.index = index
         self.count = count  # workers in the server
         self._ready = False
@@ -46,7 +50,9 @@ class WorkerLink:
         path = os.environ.get(SOCKET_VARIABLE)
         if not path:
             return None
-        return cls(path, int(os.environ.get(INDEX_VARIABLE, "0")), int(os.environ.get(COUNT_VARIABLE, "1")))
+        handoff = os.environ.get(HANDOFF_VARIABLE)
+        return cls(path, int(os.environ.get(INDEX_VARIABLE, "0")), int(os.environ.get(COUNT_VARIABLE, "1")),
+                   socket.socket(fileno=int(handoff)) if handoff else None)
 
     @property
     def ready(self) -> bool:
@@ -61,12 +67,19 @@ class WorkerLink:
         await peer.call("join", self.index, os.getpid())
         self._watch = asyncio.create_task(self._stop_with_supervisor(peer), name="worker-supervisor-watch")
 
+    def receive_connections(self, adopters: dict[bytes, Adopter]) -> None:
+        """Serve the connections the supervisor hands over, each with the adopter of its kind."""
+        if self.handoff is not None and self._receiver is None:
+            self._receiver = Receiver(self.handoff, adopters)
+
     def serving(self) -> None:
         """This worker's frontends are up: the supervisor counts it in the server's readiness."""
         if self._peer is not None:
             self._peer.notify("serving", self.index)
 
     async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
         if self._watch is not None:
             self._watch.cancel()
         if self._peer is not None:

@@ -1,11 +1,12 @@
-"""`--workers N`: N worker processes share the HTTP and gRPC ports (SO_REUSEPORT) and look like one server.
+"""`--workers N`: N worker processes serve the HTTP and gRPC ports and look like one server.
 
-The supervisor serves no inference. It starts the workers (each a `geserve serve` with the same options), runs
-the control calls one worker receives on all of them (model load / unload, shared memory regions, log settings),
-gathers their statistics and metrics (it serves the metrics port itself), tells them when all are ready, restarts
-a worker that dies (replaying the control calls the server ran, so it comes back with the same models), and
-forwards a sequence's request to the worker that holds the sequence. Models live in every worker (see README
-"Workers" for the measurement behind that choice).
+The supervisor serves no inference. It accepts the native servers' connections and hands each to the least busy
+worker (dispatch.py); the other servers' ports the workers share with SO_REUSEPORT. It starts the workers (each a
+`geserve serve` with the same options), runs the control calls one worker receives on all of them (model load /
+unload, shared memory regions, log settings), gathers their statistics and metrics (it serves the metrics port
+itself), tells them when all are ready, restarts a worker that dies (replaying the control calls the server ran,
+so it comes back with the same models), and forwards a sequence's request to the worker that holds the sequence.
+Models live in every worker (see README "Workers" for the measurement behind that choice).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from geserve.frontends.tls import TlsError, tls_files
 from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
 from geserve.settings import ServerSettings
+from geserve.workers.dispatch import HANDOFF_VARIABLE, Dispatcher, doors, handed_kinds
 from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.wire import Peer, PeerGone
@@ -90,6 +92,7 @@ class Supervisor:
         self._metrics: MetricsService | None = None
         self._folder = tempfile.TemporaryDirectory(prefix="geserve-workers-")  # mode 0700: ours alone
         self.socket_path = str(Path(self._folder.name) / "control.sock")
+        self._dispatch = Dispatcher(doors(settings))
 
     # ---- the life of the server --------------------------------------------------------------------
 
@@ -116,11 +119,18 @@ class Supervisor:
             await self._start_metrics()  # first, as in a single process: /metrics answers once HTTP is live
             if not await self._start_all(stop):
                 return 1
+            try:  # the ports open once every worker serves, as one process binds after loading its models
+                await self._dispatch.open()
+            except OSError as exc:
+                logger.error("%s", exc.strerror or exc)
+                await self._stop_all([])
+                return 1
             logger.info("serving with %d workers", len(self.workers))
             watchers = [asyncio.create_task(self._watch(worker, stop)) for worker in self.workers]
             await stop.wait()
             return 0 if await self._stop_all(watchers) else 1
         finally:
+            self._dispatch.close()
             server.close()
             for holder in self._held:
                 holder.close()
@@ -150,8 +160,9 @@ class Supervisor:
         """Port 0 asks for any free port: one for all the workers, held (bound, never listening) by the supervisor
         so that it stays theirs."""
         settings = self.settings
-        for flag, port, wanted in (("--http-port", settings.http_port, settings.allow_http),
-                                   ("--grpc-port", settings.grpc_port, settings.allow_grpc)):
+        handed = handed_kinds(settings)  # the supervisor binds those itself
+        for flag, port, wanted in (("--http-port", settings.http_port, settings.allow_http and b"h" not in handed),
+                                   ("--grpc-port", settings.grpc_port, settings.allow_grpc and b"g" not in handed)):
             if wanted and port == 0:
                 holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -160,17 +171,23 @@ class Supervisor:
                 self.argv += [flag, str(holder.getsockname()[1])]
 
     async def _spawn(self, worker: _Worker) -> None:
+        channel = self._dispatch.channel(worker.index)
         environment = dict(os.environ, **{
             SOCKET_VARIABLE: self.socket_path,
             INDEX_VARIABLE: str(worker.index),
             COUNT_VARIABLE: str(len(self.workers)),
+            HANDOFF_VARIABLE: str(channel.fileno()),
         })
         worker.serving, worker.peer, worker.started_at = False, None, time.monotonic()
         # A session of its own: a terminal's Ctrl-C or hangup reaches the supervisor, which decides for the workers
         # (a worker still importing would die of a SIGHUP it cannot handle yet).
-        worker.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "geserve", "serve", *self.argv, env=environment, start_new_session=True
-        )
+        try:
+            worker.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "geserve", "serve", *self.argv, env=environment, start_new_session=True,
+                pass_fds=(channel.fileno(),),
+            )
+        finally:
+            channel.close()  # the worker's end is the worker's
         logger.info("worker %d started (pid %d)", worker.index, worker.process.pid)
 
     async def _watch(self, worker: _Worker, stop: asyncio.Event) -> None:
@@ -200,6 +217,7 @@ class Supervisor:
         (systemd signals every process of the service's cgroup) does not count two signals and exit without
         draining."""
         self._stopping = True
+        self._dispatch.close()  # no new connections; the workers drain theirs
         self._send_ready()
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
@@ -240,6 +258,7 @@ class Supervisor:
 
     def _set_serving(self, worker: _Worker, serving: bool) -> None:
         worker.serving = serving
+        self._dispatch.serving(worker.index, serving)
         self._changed.set()
         self._send_ready()
 

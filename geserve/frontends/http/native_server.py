@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -95,8 +96,9 @@ class _Request:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, server: NativeHttpServer) -> None:
+    def __init__(self, server: NativeHttpServer, on_close: Callable[[], None] | None = None) -> None:
         self._server = server
+        self._on_close = on_close  # an adopted connection's: its supervisor counts it
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._pending: collections.deque[_Request] = collections.deque()
@@ -136,7 +138,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.release(self)
         self._closing = True
-        self.leave_arrivals()
+        self.gone()
         if self._worker is not None and not self._worker.done():
             # The client went away with a request under way: cancelling the connection's one task cancels the
             # service call it awaits (a queued request leaves its scheduler, counted CANCELED), and nothing is written.
@@ -329,12 +331,15 @@ class _Connection(asyncio.Protocol):
         ARRIVALS.in_transit -= sum(1 for request in self._pending if request.rejection is None)
         self._pending.clear()
 
-    def leave_arrivals(self) -> None:
-        """The connection is gone (or never came up): it sends nothing more."""
+    def gone(self) -> None:
+        """The connection is closed (or never came up): it sends nothing more."""
         self._drop_pending()
         if self._idle:
             self._idle = False
             ARRIVALS.idle_clients -= 1
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
 
     def close_if_idle(self) -> None:
         if (self._worker is None or self._worker.done()) and not self._pending:
@@ -417,11 +422,12 @@ class NativeHttpServer:
 
     def __init__(
         self, app: Any, host: str, port: int, max_body_size: int, limits: HttpLimits | None = None,
-        tls: ServerTls | None = None, reuse_port: bool = False,
+        tls: ServerTls | None = None, reuse_port: bool = False, adopting: bool = False,
     ) -> None:
         self.app = app
         self.tls = tls
         self.reuse_port = reuse_port  # several worker processes share the port (--workers)
+        self.adopting = adopting  # binds nothing: serves the connections handed to `adopt` (--workers)
         self.host = host
         self.port = port
         self.max_body_size = max_body_size
@@ -510,10 +516,13 @@ class NativeHttpServer:
     async def serve(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self.clock = loop.time()
-        self._listeners = await bind_listeners(loop, self.host, self.port, 2048, self.reuse_port)
-        sockname = self._listeners[0].getsockname()
-        self._server_address = (str(sockname[0]), int(sockname[1]))
-        self._resume_accepting()
+        if self.adopting:  # the supervisor accepts and hands the connections over (`adopt`)
+            self._server_address = (self.host, self.port)
+        else:
+            self._listeners = await bind_listeners(loop, self.host, self.port, 2048, self.reuse_port)
+            sockname = self._listeners[0].getsockname()
+            self._server_address = (str(sockname[0]), int(sockname[1]))
+            self._resume_accepting()
         if self._sweep_period:
             self._sweeper = loop.call_later(self._sweep_period, self._sweep)
         self.started = True
@@ -576,8 +585,23 @@ class NativeHttpServer:
             self._retry_delay = min(self._retry_delay * 2, _ACCEPT_RETRY_MAX)
             return
         self._retry_delay = _ACCEPT_RETRY_FIRST
+        self._serve_socket(sock, None)
+
+    def adopt(self, sock: socket.socket, on_close: Callable[[], None]) -> None:
+        """Serve a connection another process accepted (the workers' supervisor, geserve/workers/dispatch.py);
+        `on_close` is called once it closes."""
+        if self.stopping:
+            sock.close()
+            on_close()
+            return
+        sock.setblocking(False)
+        self._serve_socket(sock, on_close)
+
+    def _serve_socket(self, sock: socket.socket, on_close: Callable[[], None] | None) -> None:
+        loop = self._loop
+        assert loop is not None
         self._open += 1
-        connection = _Connection(self)
+        connection = _Connection(self, on_close)
         if self.tls is None:
             task = loop.create_task(loop.connect_accepted_socket(lambda: connection, sock))
         else:  # the current context: a reload changes what the next connections get, not the open ones
@@ -593,7 +617,7 @@ class NativeHttpServer:
         if error is not None and not connection.made:  # e.g. the client reset before the transport was made, or
             # a TLS handshake failed (a plaintext client, an untrusted or missing client certificate, a timeout)
             logger.debug("dropped an accepted HTTP connection: %s", error)
-            connection.leave_arrivals()
+            connection.gone()
             sock.close()  # a no-op when the transport closed it already (both loops leave it detached, fd -1)
             self._open -= 1
             self._resume_accepting()

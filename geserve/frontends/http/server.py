@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -50,11 +51,11 @@ class _TlsHttpToolsProtocol(HttpToolsProtocol):
 
 def create_http_server(
     app: HttpFrontend, host: str, port: int, log_verbose: int, kind: str, max_body_size: int,
-    limits: HttpLimits | None = None, tls: ServerTls | None = None, reuse_port: bool = False,
+    limits: HttpLimits | None = None, tls: ServerTls | None = None, reuse_port: bool = False, adopting: bool = False,
 ) -> NativeHttpServer | uvicorn.Server:
     limits = limits or HttpLimits()
     if kind == "native":
-        return NativeHttpServer(app, host, port, max_body_size, limits, tls, reuse_port)
+        return NativeHttpServer(app, host, port, max_body_size, limits, tls, reuse_port, adopting)
     http: str | type[HttpToolsProtocol] = "httptools"
     if tls is not None:
         http = type("TlsHttpToolsProtocol", (_TlsHttpToolsProtocol,), {"mutual": tls.mutual})
@@ -103,11 +104,13 @@ class HttpService(TlsEndpoint):
     def __init__(
         self, app: HttpFrontend, host: str, port: int, *, log_verbose: int = 0, kind: str = "native",
         max_body_size: int, limits: HttpLimits | None = None, tls: TlsFiles | None = None, reuse_port: bool = False,
+        adopting: bool = False,
     ) -> None:
+        """`adopting` (native only): bind nothing, and serve the connections another process hands to `adopt`."""
         self._host, self._port, self._reuse_port = host, port, reuse_port
         self._tls = ServerTls(tls, "http") if tls is not None else None
         self._server = create_http_server(
-            app, host, port, log_verbose, kind, max_body_size, limits, self._tls, reuse_port
+            app, host, port, log_verbose, kind, max_body_size, limits, self._tls, reuse_port, adopting
         )
         self._task: asyncio.Task[None] | None = None
         self.reports_arrivals = kind == "native"
@@ -123,7 +126,14 @@ class HttpService(TlsEndpoint):
                 self._task.result()
                 raise OSError(f"failed to start the HTTP service on port {self._port}")
             await asyncio.sleep(0.01)
-        logger.info("started HTTPService at %s:%d%s", self._host, self._port, _tls_note(self._tls))
+        if isinstance(self._server, NativeHttpServer) and self._server.adopting:
+            logger.info("HTTPService serving the connections the supervisor hands over%s", _tls_note(self._tls))
+        else:
+            logger.info("started HTTPService at %s:%d%s", self._host, self._port, _tls_note(self._tls))
+
+    def adopt(self, sock: socket.socket, on_close: Callable[[], None]) -> None:
+        assert isinstance(self._server, NativeHttpServer)
+        self._server.adopt(sock, on_close)
 
     async def stop(self) -> None:
         if self._task is not None:
