@@ -5,6 +5,7 @@ stubs, and holds up to what only a raw HTTP/2 client can send (garbage, ping flo
 from __future__ import annotations
 
 import asyncio
+import queue
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import hpack
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -23,6 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from geserve.frontends.grpc.h2_connection import HeaderDecoder, grpc_message
 from geserve.frontends.grpc.health import SERVING, HealthCheckRequest, HealthCheckResponse
 from tests.support import models
 from tests.support.server import RunningServer, geserve
@@ -76,6 +79,7 @@ def outcomes(url: str) -> list[Any]:
         seen.append(metadata.SerializeToString(deterministic=True))
         for call in (
             lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="nope")),
+            lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="n\u00f6pe \u2603 100%")),  # grpc-message encoding
             lambda: stub.ModelInfer(pb.ModelInferRequest(model_name="nope")),
             lambda: stub.ModelInfer(pb.ModelInferRequest(model_name="simple")),  # no inputs
             lambda: channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(b"\xff\xff\xff"),
@@ -96,9 +100,10 @@ def test_both_servers_answer_alike(native: RunningServer, grpcio: RunningServer)
     assert "native HTTP/2" in native.log() and "native HTTP/2" not in grpcio.log()
     theirs, ours = outcomes(grpcio.grpc_url), outcomes(native.grpc_url)
     assert ours == theirs
-    assert ours[3][0] == grpc.StatusCode.NOT_FOUND
-    assert ours[6][0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert ours[7:9] == [(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")] * 2
+    assert ours[3][0] == ours[4][0] == grpc.StatusCode.NOT_FOUND
+    assert "n\u00f6pe \u2603 100%" in ours[4][1]
+    assert ours[7][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert ours[8:10] == [(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")] * 2
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
@@ -182,10 +187,14 @@ def test_cancelled_calls_and_deadlines_leave_other_calls_alone(native: RunningSe
         assert stub.ServerLive(pb.ServerLiveRequest()).live
         for updates in watches[1:]:
             updates.cancel()
-    with grpcclient.InferenceServerClient(native.grpc_url) as client, pytest.raises(InferenceServerException) as late:
-        client.infer("simple", simple_inputs(), client_timeout=1e-6)
-    assert "Deadline" in str(late.value)
+    errors: queue.Queue[Any] = queue.Queue()
     with grpcclient.InferenceServerClient(native.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: errors.put(error), stream_timeout=0.5)
+        client.async_stream_infer("simple", simple_inputs())
+        assert errors.get(timeout=5) is None  # answered; then the stream stays open past its deadline
+        late = errors.get(timeout=5)
+        client.stop_stream()
+        assert isinstance(late, InferenceServerException) and "Deadline" in str(late)
         assert (client.infer("simple", simple_inputs()).as_numpy("OUTPUT1") == A - B).all()
 
 
@@ -224,7 +233,10 @@ class RawClient:
                 break
             seen.extend(self.conn.receive_data(data))
             if answer:
-                self.send()
+                try:
+                    self.send()
+                except OSError:  # the server closed its side
+                    answer = False
             if any(isinstance(event, until) for event in seen):
                 break
         return seen
@@ -297,3 +309,26 @@ def test_keepalive_pings_and_closes_a_silent_peer(native: RunningServer) -> None
     assert "closed" in events  # the ping went unanswered for the keepalive timeout (1 s)
     client.close()
     assert_serving(native)
+
+
+# ---- pieces, without a server ----------------------------------------------------------------------------------
+
+
+def test_the_fast_header_decoder_decodes_as_hpack_does() -> None:
+    """Blocks a client repeating calls sends (all indexed: the fast path) and first ones (literals: hpack's path)."""
+    encoder, ours, theirs = hpack.Encoder(), HeaderDecoder(), hpack.Decoder()
+    calls = [[(b":method", b"POST"), (b":path", b"/a.B/C"), (b"x-key", b"v%d" % (index % 3)), (b"te", b"trailers")]
+             for index in range(12)]
+    fast = 0
+    for headers in calls:
+        block = encoder.encode(headers)
+        fast += not block.translate(None, bytes(range(0x81, 0xFF)))
+        assert ours.decode(block, raw=True) == theirs.decode(block, raw=True) == headers
+    assert fast >= 8
+    with pytest.raises(hpack.HPACKDecodingError):
+        ours.decode(b"\xfe", raw=True)  # an index past both tables
+
+
+def test_grpc_message_is_percent_encoded_as_the_spec_says() -> None:
+    assert grpc_message("plain words") == b"plain words"
+    assert grpc_message("100% \u00e9") == b"100%25 %C3%A9"
