@@ -225,7 +225,7 @@ def environment(**values: str) -> Iterator[None]:
 
 
 def warm_up(server: Server, model: str) -> None:
-    """A few requests on several connections, so that every worker (SO_REUSEPORT spreads connections) has run
+    """A few requests on several connections, so that every worker (the supervisor spreads connections) has run
     the model before the first window."""
     config = harness.load_config(harness.EXAMPLES / model)
     for _ in range(4 * server.workers):
