@@ -83,7 +83,7 @@ def status_headers(code: grpc.StatusCode, details: str) -> list[Header]:
 
 def _behaviour(first: Any, second: Any) -> Callable[[Any, H2Call], Any]:
     """The handler's coroutine (or async generator) function of its shape; grpc's stubs type them synchronous."""
-    return cast(Callable[[Any, H2Call], Any], first if first is not None else second)
+    return cast("Callable[[Any, H2Call], Any]", first if first is not None else second)  # a string: no alias per call
 
 
 def format_peer(address: Any) -> str:
@@ -93,6 +93,8 @@ def format_peer(address: Any) -> str:
         return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
     return f"unix:{address}" if address else ""
 
+
+_STREAM_WALK_EVERY = 48  # streams h2 may hold, closed ones included, before they are counted (and the closed forgotten)
 
 # Bytes that are each a whole indexed header field (0x80 | index, index 1..126): a block of only these only looks up
 # the tables. A client repeating a call sends exactly that, once its headers are in the dynamic table.
@@ -127,6 +129,16 @@ class _H2Connection(h2.connection.H2Connection):
         decoder.max_header_list_size = self.decoder.max_header_list_size
         decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
         self.decoder = decoder
+
+    @property
+    def open_inbound_streams(self) -> int:
+        # h2 counts the open streams for every new one, walking them all (and forgetting the closed ones as it
+        # goes): a few % of a unary call. Below the limit the number of streams it holds, open or not, is a bound
+        # that decides alike; the walk runs once per few dozen calls, and near the limit every time.
+        held = len(self.streams)
+        if held < _STREAM_WALK_EVERY and held < self.local_settings.max_concurrent_streams:
+            return held
+        return h2.connection.H2Connection.open_inbound_streams.fget(self)  # type: ignore[attr-defined]
 
     def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[h2.events.Event]]:
         sid = frame.stream_id
