@@ -238,6 +238,7 @@ class GrpcH2Connection(asyncio.Protocol):
         self.awaiting_ack = False
         self.last_ping: float | None = None  # when the client last pinged with no response sent since
         self.strikes = 0
+        self.out: list[bytes] = []  # bytes to write at the end of this loop iteration
         self.ending = False  # a GOAWAY ended it: what still arrives is dropped until it closes
 
     # ---- asyncio.Protocol -----------------------------------------------------------------------------
@@ -303,9 +304,8 @@ class GrpcH2Connection(asyncio.Protocol):
                 elif kind is h2.events.RemoteSettingsChanged:
                     self._wake_writers(0)  # a new initial window size changes every stream's window
                 elif kind is h2.events.ConnectionTerminated:  # the client's GOAWAY: h2 sends nothing after it
-                    self._flush()
                     self._cancel_calls()
-                    transport.close()
+                    self.close()
                     return
                 if transport.is_closing():
                     return
@@ -410,8 +410,8 @@ class GrpcH2Connection(asyncio.Protocol):
             call.reset = call.done = True
             if call.task is not None:
                 call.task.cancel()
-        if self.closing and not self.calls and self.transport is not None:
-            self.transport.close()
+        if self.closing and not self.calls:
+            self.close()
 
     # ---- calls ----------------------------------------------------------------------------------------
 
@@ -444,8 +444,8 @@ class GrpcH2Connection(asyncio.Protocol):
         finally:
             if self.calls.get(call.stream_id) is call:
                 del self.calls[call.stream_id]
-            if self.closing and not self.calls and self.transport is not None:
-                self.transport.close()
+            if self.closing and not self.calls:
+                self.close()
 
     def _respond(self, call: H2Call, payload: bytes) -> bool:
         """A unary response in one write (headers, message, trailers) when the peer's window has room for it;
@@ -464,7 +464,7 @@ class GrpcH2Connection(asyncio.Protocol):
             return False
         pending = self.h2.data_to_send()
         assert self.transport is not None
-        self.transport.write(pending + frames if pending else frames)
+        self._send(pending + frames if pending else frames)
         call.done = True
         self.last_ping, self.strikes = None, 0  # data sent: the client's next ping is welcome (grpc core)
         return True
@@ -486,8 +486,7 @@ class GrpcH2Connection(asyncio.Protocol):
                 call.headers_sent = True
                 self.last_ping, self.strikes = None, 0
                 pending = conn.data_to_send()
-                assert self.transport is not None
-                self.transport.write(pending + frames if pending else frames)
+                self._send(pending + frames if pending else frames)
                 return
         if not call.headers_sent:
             call.headers_sent = True
@@ -572,8 +571,31 @@ class GrpcH2Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         data = self.h2.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        if data:
+            self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        """Queues bytes for the socket: what the calls of one loop iteration send goes out in one write (a send
+        system call per response was the largest single cost of a streamed inference)."""
+        if self.out:
+            self.out.append(data)
+        else:
+            self.out = [data]
+            self.loop.call_soon(self._write_out)
+
+    def _write_out(self) -> None:
+        out = self.out
+        if out:
+            self.out = []
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def close(self) -> None:
+        """Closes the connection once what is queued is written."""
+        self._write_out()
+        if self.transport is not None:
+            self.transport.close()
 
     # ---- keepalive and pings --------------------------------------------------------------------------
 
@@ -628,6 +650,7 @@ class GrpcH2Connection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         self._flush()
+        self._write_out()
         self._cancel_calls()
         self.ending = True
         if self.timer is not None:
@@ -646,9 +669,9 @@ class GrpcH2Connection(asyncio.Protocol):
         frame.last_stream_id = self.h2.highest_inbound_stream_id
         frame.error_code = ErrorCodes.NO_ERROR
         self._flush()
-        self.transport.write(frame.serialize())
+        self._send(frame.serialize())
         if not self.calls:
-            self.transport.close()
+            self.close()
 
     def abort_calls(self) -> None:
         """The grace is over: the calls still running are cancelled (UNAVAILABLE to their clients)."""

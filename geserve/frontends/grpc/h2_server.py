@@ -123,6 +123,5 @@ class NativeGrpcServer:
         if tasks:
             await asyncio.wait(tasks, timeout=1.0)
         for connection in list(self._connections):
-            if connection.transport is not None:
-                connection.transport.close()
+            connection.close()
         self._connections.clear()
