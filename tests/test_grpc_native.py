@@ -26,7 +26,9 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from geserve.frontends.grpc.h2_connection import HeaderDecoder, grpc_message
+from geserve.frontends.grpc.h2_server import NativeGrpcServer
 from geserve.frontends.grpc.health import SERVING, HealthCheckRequest, HealthCheckResponse
+from geserve.frontends.grpc.server import GrpcOptions
 from tests.support import models
 from tests.support.server import RunningServer, geserve
 
@@ -332,3 +334,38 @@ def test_the_fast_header_decoder_decodes_as_hpack_does() -> None:
 def test_grpc_message_is_percent_encoded_as_the_spec_says() -> None:
     assert grpc_message("plain words") == b"plain words"
     assert grpc_message("100% \u00e9") == b"100%25 %C3%A9"
+
+
+class _ReadyService:
+    """A stand-in for the inference service: only the transport's adoption is under test, and health asks only this."""
+
+    def ready(self, context: Any) -> bool:
+        return True
+
+
+def test_a_connection_accepted_elsewhere_is_served_and_its_close_reported() -> None:
+    """--workers: the supervisor accepts and hands a worker the socket (`adopt`); here the test accepts it."""
+    async def run() -> tuple[int, int]:
+        server = NativeGrpcServer(_ReadyService(), GrpcOptions(port=0), adopting=True)  # type: ignore[arg-type]
+        await server.start()
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.setblocking(False)
+        closed: list[int] = []
+        loop = asyncio.get_running_loop()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{listener.getsockname()[1]}") as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                        request_serializer=HealthCheckRequest.SerializeToString,
+                                        response_deserializer=HealthCheckResponse.FromString)
+            answer = asyncio.ensure_future(check(HealthCheckRequest(service="")))
+            sock, _ = await loop.sock_accept(listener)
+            server.adopt(sock, lambda: closed.append(1))
+            status = (await answer).status
+        for _ in range(100):
+            if closed:
+                break
+            await asyncio.sleep(0.02)
+        listener.close()
+        await server.stop(0)
+        return status, len(closed)
+
+    assert asyncio.run(run()) == (SERVING, 1)

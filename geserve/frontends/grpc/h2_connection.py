@@ -238,6 +238,7 @@ class GrpcH2Connection(asyncio.Protocol):
         self.awaiting_ack = False
         self.last_ping: float | None = None  # when the client last pinged with no response sent since
         self.strikes = 0
+        self.on_close: Callable[[], None] | None = None  # a connection handed over by the supervisor reports its close
         self.out: list[bytes] = []  # bytes to write at the end of this loop iteration
         self.ending = False  # a GOAWAY ended it: what still arrives is dropped until it closes
 
@@ -259,6 +260,9 @@ class GrpcH2Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -69,7 +71,9 @@ class NativeGrpcServer:
     name = "grpc"
     reports_arrivals = False  # a client may open a stream on its connection at any time
 
-    def __init__(self, service: InferenceService, options: GrpcOptions) -> None:
+    def __init__(self, service: InferenceService, options: GrpcOptions, adopting: bool = False) -> None:
+        """`adopting`: bind nothing and serve only the connections handed to `adopt` (a worker of --workers whose
+        supervisor accepts them)."""
         if options.tls is not None:
             raise ValueError("the native gRPC server serves cleartext only; TLS is served by grpc.aio (GrpcServer)")
         self._service = service
@@ -77,6 +81,9 @@ class NativeGrpcServer:
         self.port = options.port
         self._servers: list[asyncio.AbstractServer] = []
         self._connections: set[GrpcH2Connection] = set()
+        self._adopting = adopting
+        self._factory: Callable[[], GrpcH2Connection] | None = None
+        self._stopping = False
 
     @property
     def target(self) -> str:
@@ -90,6 +97,14 @@ class NativeGrpcServer:
         methods = MethodTable((inference_handler(servicer), health.handler()))
         options, connections = self.options, self._connections
         loop = asyncio.get_running_loop()
+
+        def connection() -> GrpcH2Connection:
+            return GrpcH2Connection(options, methods.resolve, connections)
+
+        self._factory = connection
+        if self._adopting:
+            logger.info("started GRPCInferenceService (native HTTP/2) on the connections handed to this worker")
+            return
         try:
             listeners = await bind_listeners(loop, options.address, options.port, BACKLOG, options.reuse_port)
         except OSError as exc:
@@ -97,18 +112,40 @@ class NativeGrpcServer:
         if self.port == 0:
             self.port = listeners[0].getsockname()[1]
 
-        def connection() -> Any:
-            return GrpcH2Connection(options, methods.resolve, connections)
-
         # loop.create_server rather than accepting ourselves (as the HTTP server does): gRPC connections are few and
         # long-lived, there is no connection cap to pause accepting at, and uvloop's accept loop runs in C.
         for sock in listeners:
             self._servers.append(await loop.create_server(connection, sock=sock, backlog=BACKLOG))
         logger.info("started GRPCInferenceService at %s (native HTTP/2)", self.target)
 
+    def adopt(self, sock: socket.socket, on_close: Callable[[], None]) -> None:
+        """Serves a connection another process accepted; `on_close` is called once it closes."""
+        factory = self._factory
+        if factory is None or self._stopping:
+            sock.close()
+            on_close()
+            return
+        sock.setblocking(False)
+
+        def connection() -> GrpcH2Connection:
+            made = factory()
+            made.on_close = on_close
+            return made
+
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(connection, sock))
+
+        def connected(task: asyncio.Task[Any]) -> None:
+            if task.cancelled() or task.exception() is not None:  # never served: counted closed all the same
+                sock.close()
+                on_close()
+
+        task.add_done_callback(connected)
+
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stops accepting, sends every connection a GOAWAY, lets calls under way finish for up to `grace` seconds,
         then cancels what still runs and closes the connections."""
+        self._stopping = True
         for server in self._servers:
             server.close()
         self._servers.clear()
