@@ -10,12 +10,9 @@ import struct
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
-
-if TYPE_CHECKING:
-    from geserve.frontends.grpc.h2_connection import GrpcH2Connection
 
 PREFIX = struct.Struct(">BI")  # a message's compressed flag and length
 # Transport headers grpc hides from invocation_metadata() (user-agent it keeps); pseudo-headers are hidden too.
@@ -24,6 +21,17 @@ _HIDDEN = frozenset({b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", 
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _WBITS = {b"gzip": 31, b"deflate": 15}  # grpc's deflate is zlib's format, gzip gzip's
 _INBOX_LIMIT = 16  # streamed requests waiting for the handler before their bytes go unacknowledged (backpressure)
+
+
+class Connection(Protocol):
+    """What a call asks of its connection (h2_connection.GrpcH2Connection)."""
+
+    max_receive: int
+    peer: str
+
+    def acknowledge(self, call: H2Call) -> None: ...
+
+    async def send_message(self, call: H2Call, payload: bytes) -> None: ...
 
 
 class CallError(Exception):
@@ -50,7 +58,7 @@ class H2Call:
                  "headers_sent", "inbox", "inbox_waiter", "method", "request", "request_ended", "reset", "stream_id",
                  "task", "unacked", "window_waiter")
 
-    def __init__(self, connection: GrpcH2Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
+    def __init__(self, connection: Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
                  headers: list[tuple[bytes, bytes]], deadline: float | None, encoding: bytes | None) -> None:
         self.connection = connection
         self.stream_id = stream_id
