@@ -6,6 +6,7 @@ every worker."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,7 +14,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
