@@ -39,7 +39,7 @@ from geserve.service.tracing.config import TraceConfigError, parse_trace_config
 from geserve.service.tracing.otel import OtelUnavailable
 from geserve.service.tracing.tracer import Tracing
 from geserve.settings import ServerSettings
-from geserve.workers.dispatch import HTTP, Adopter, handed_kinds
+from geserve.workers.dispatch import GRPC, HTTP, Adopter, handed_kinds
 from geserve.workers.link import WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -139,8 +139,7 @@ class Server:
         self._adopters: dict[bytes, Adopter] = {}
         if settings.allow_grpc:
             # The native HTTP/2 server serves cleartext; TLS (dynamic credentials, client certificates): grpc.aio.
-            grpc_server = NativeGrpcServer if settings.grpc_server == "native" and grpc_tls is None else GrpcServer
-            self.frontends.append(grpc_server(self.service, GrpcOptions(
+            options = GrpcOptions(
                 settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
                 keepalive_time_ms=settings.grpc_keepalive_time_ms,
                 keepalive_timeout_ms=settings.grpc_keepalive_timeout_ms,
@@ -151,7 +150,14 @@ class Server:
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
                 tls=grpc_tls,
                 reuse_port=link is not None,
-            )))
+            )
+            if settings.grpc_server == "native" and grpc_tls is None:
+                native = NativeGrpcServer(self.service, options, adopting=GRPC in handed)
+                self.frontends.append(native)
+                if GRPC in handed:
+                    self._adopters[GRPC] = native.adopt
+            else:
+                self.frontends.append(GrpcServer(self.service, options))
         if settings.allow_http:
             app = HttpFrontend(self.service, settings.http_max_input_size)
             http = HttpService(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests.support import models
@@ -31,7 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     models.simple(repo, "plain")
     models.simple(repo, "kept", extra=f"dynamic_batching {{ {delay} }}\n"
                   'parameters { key: "early_batch_dispatch" value: { string_value: "false" } }')
-    with geserve([repo], tmp_path_factory.mktemp("logs") / "geserve.log", ["--allow-grpc", "false"]) as running:
+    with geserve([repo], tmp_path_factory.mktemp("logs") / "geserve.log") as running:
         yield running
 
 
@@ -73,6 +74,31 @@ def test_a_client_that_could_still_send_keeps_the_delay(server: RunningServer) -
         _round(client, "early", 2)
         time.sleep(DELAY_S)
         assert _round(client, "early", 1) >= HELD  # the pool's other connection is open and may send: it waits
+
+
+def test_an_open_grpc_connection_keeps_the_delay(server: RunningServer) -> None:
+    with httpclient.InferenceServerClient(server.url, concurrency=2) as client:
+        _round(client, "early", 2)
+        time.sleep(DELAY_S)
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            assert grpc.is_server_live()  # connected: it may open a stream with a request at any time
+            assert _round(client, "early", 2) >= HELD
+        finally:
+            grpc.close()
+        time.sleep(0.5)  # the server sees the gRPC connection close
+        assert _round(client, "early", 2) < NOT_HELD
+
+
+def test_with_workers_each_batches_its_own_clients(tmp_path_factory: pytest.TempPathFactory) -> None:
+    repo = tmp_path_factory.mktemp("early-workers") / "models"
+    repo.mkdir()
+    models.simple(repo, "early", extra=f"dynamic_batching {{ max_queue_delay_microseconds: {int(DELAY_S * 1e6)} }}")
+    with geserve([repo], tmp_path_factory.mktemp("logs") / "workers.log", ["--workers", "2"]) as running, \
+            httpclient.InferenceServerClient(running.url, concurrency=4) as client:
+        _round(client, "early", 4)  # four connections, two per worker
+        time.sleep(DELAY_S)
+        assert _round(client, "early", 4) < NOT_HELD
 
 
 def test_the_model_parameter_turns_it_off(server: RunningServer) -> None:

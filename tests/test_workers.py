@@ -7,6 +7,7 @@ every worker."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -23,7 +24,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from geserve.settings import ServerSettings
 from geserve.statistics import merge_statistics
+from geserve.workers.dispatch import GRPC, HTTP, handed_kinds
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.supervisor import MAX_AUTO_WORKERS, worker_count
 from tests.support import models
@@ -45,13 +48,15 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def http_connections(server: RunningServer) -> list[int]:
-    """Established connections to the HTTP port each worker holds (from /proc: its socket descriptors' inodes)."""
+def http_connections(server: RunningServer, port: int | None = None) -> list[int]:
+    """Established connections to the HTTP port (or `port`) each worker holds (from /proc: its socket descriptors'
+    inodes)."""
+    port = server.http_port if port is None else port
     established: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == server.http_port and fields[3] == "01":
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
                 established.add(fields[9])
     counts = []
     for pid in workers_of(server):
@@ -143,6 +148,18 @@ def test_connections_are_spread_evenly_and_their_closes_counted(server: RunningS
     finally:
         for sock in first + second:
             sock.close()
+
+
+def test_grpc_connections_are_spread_evenly_too(server: RunningServer) -> None:
+    # A subchannel pool of its own per client: grpc would otherwise share one connection among them.
+    clients = [grpcclient.InferenceServerClient(server.grpc_url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(4)]
+    try:
+        assert all(client.is_server_live() for client in clients)
+        assert http_connections(server, server.grpc_port) == [2, 2]
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_at_the_connection_cap_new_clients_wait_for_a_place(repo: Path, tmp_path: Path) -> None:
@@ -263,6 +280,14 @@ def test_a_worker_that_cannot_start_fails_the_start(repo: Path, tmp_path: Path) 
     args = ["--workers", "2", "--model-control-mode", "explicit", "--load-model", "missing"]
     with pytest.raises(RuntimeError, match="exited with 1"), geserve([repo], tmp_path / "log", args):
         pass
+
+
+def test_the_supervisor_hands_over_only_the_native_servers_connections() -> None:
+    base = ServerSettings(model_repositories=[Path(".")])
+    assert handed_kinds(base) == {HTTP, GRPC}
+    assert handed_kinds(dataclasses.replace(base, http_server="uvicorn")) == {GRPC}  # uvicorn binds its own port
+    assert handed_kinds(dataclasses.replace(base, grpc_use_ssl_mutual=True)) == {HTTP}  # TLS: grpc.aio binds
+    assert handed_kinds(dataclasses.replace(base, grpc_server="grpcio", allow_http=False)) == frozenset()
 
 
 def test_the_default_is_one_worker_per_core_capped() -> None:

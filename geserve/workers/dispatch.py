@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 HANDOFF_VARIABLE = "GESERVE_WORKER_HANDOFF_FD"
 HTTP, GRPC = b"h", b"g"  # a connection's kind: the one byte sent with its descriptor, and back when it closes
-_NAMES = {HTTP: "HTTPService", GRPC: "GRPCInferenceService"}
+_NAMES = {HTTP: "HTTPService", GRPC: "GRPCInferenceService"}  # as the single-process servers log them
+_SERVICES = {HTTP: "HTTP service", GRPC: "GRPC service"}  # as their start-up errors name them
 _BACKLOG = 2048
 _RECEIVE = 256  # close reports read at once
 Adopter = Callable[[socket.socket, Callable[[], None]], None]  # serves a handed connection; calls back on its close
@@ -54,6 +55,9 @@ def doors(settings: ServerSettings) -> list[Door]:
     if settings.allow_http and settings.http_server == "native":
         cap = settings.http_max_connections if settings.http_max_connections > 0 else math.inf
         found.append(Door(HTTP, settings.http_address, settings.http_port, cap))
+    grpc_tls = settings.grpc_use_ssl or settings.grpc_use_ssl_mutual  # mutual implies TLS, as Triton's flags
+    if settings.allow_grpc and settings.grpc_server == "native" and not grpc_tls:
+        found.append(Door(GRPC, settings.grpc_address, settings.grpc_port))
     return found
 
 
@@ -97,7 +101,8 @@ class Dispatcher:
             try:
                 listeners = await bind_listeners(loop, door.host, door.port, _BACKLOG)
             except OSError as exc:
-                raise OSError(exc.errno, f"failed to start the {_NAMES[door.kind]}: {exc.strerror or exc}") from None
+                raise OSError(exc.errno, f"failed to start the {_SERVICES[door.kind]}: unable to bind "
+                                         f"{door.host}:{door.port} ({exc.strerror or exc})") from None
             self._listeners += [(door, listener) for listener in listeners]
             address = listeners[0].getsockname()
             logger.info("started %s at %s:%d (connections handed to the workers)", _NAMES[door.kind], door.host,

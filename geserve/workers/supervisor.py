@@ -35,7 +35,7 @@ from geserve.frontends.tls import TlsError, tls_files
 from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
 from geserve.settings import ServerSettings
-from geserve.workers.dispatch import HANDOFF_VARIABLE, Dispatcher, doors, handed_kinds
+from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors, handed_kinds
 from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.wire import Peer, PeerGone
@@ -161,8 +161,8 @@ class Supervisor:
         so that it stays theirs."""
         settings = self.settings
         handed = handed_kinds(settings)  # the supervisor binds those itself
-        for flag, port, wanted in (("--http-port", settings.http_port, settings.allow_http and b"h" not in handed),
-                                   ("--grpc-port", settings.grpc_port, settings.allow_grpc and b"g" not in handed)):
+        for flag, port, wanted in (("--http-port", settings.http_port, settings.allow_http and HTTP not in handed),
+                                   ("--grpc-port", settings.grpc_port, settings.allow_grpc and GRPC not in handed)):
             if wanted and port == 0:
                 holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -24,6 +24,7 @@ from h2.settings import SettingCodes
 from h2.stream import StreamClosedBy, StreamInputs
 from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
+from geserve.arrivals import ARRIVALS
 from geserve.frontends.grpc.h2_context import PREFIX, CallError, H2Call, parse_timeout
 from geserve.frontends.grpc.server import GrpcOptions
 
@@ -256,10 +257,12 @@ class GrpcH2Connection(asyncio.Protocol):
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
         self.transport.write(conn.data_to_send())
         self.connections.add(self)
+        ARRIVALS.open_ended += 1  # a client may open a stream at any time: no batch goes early while it is here
         self._schedule_keepalive()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
+        ARRIVALS.open_ended -= 1
         if self.on_close is not None:
             self.on_close()
             self.on_close = None

@@ -69,7 +69,7 @@ class NativeGrpcServer:
     """inference.GRPCInferenceService and grpc.health.v1.Health over h2, on the running loop (cleartext only)."""
 
     name = "grpc"
-    reports_arrivals = False  # a client may open a stream on its connection at any time
+    reports_arrivals = True  # each open connection counts as a source that may send at any time (arrivals.py)
 
     def __init__(self, service: InferenceService, options: GrpcOptions, adopting: bool = False) -> None:
         """`adopting`: bind nothing and serve only the connections handed to `adopt` (a worker of --workers whose
