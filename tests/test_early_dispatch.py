@@ -30,8 +30,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     delay = f"max_queue_delay_microseconds: {int(DELAY_S * 1e6)}"
     models.simple(repo, "early", extra=f"dynamic_batching {{ {delay} }}")
     models.simple(repo, "plain")
-    models.simple(repo, "kept", extra=f"dynamic_batching {{ {delay} }}\n"
-                  'parameters { key: "early_batch_dispatch" value: { string_value: "false" } }')
+    kept = models.simple(repo, "kept", extra=f"dynamic_batching {{ {delay} }}\n"
+                         'parameters { key: "early_batch_dispatch" value: { string_value: "false" } }')
+    config = kept / "config.pbtxt"  # on the GE backend, which refuses parameters it does not know
+    config.write_text(config.read_text().replace('backend: "onnxruntime"', 'platform: "graph_executor"'))
     with geserve([repo], tmp_path_factory.mktemp("logs") / "geserve.log") as running:
         yield running
 

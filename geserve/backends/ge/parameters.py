@@ -114,7 +114,7 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
 
 # Read by other layers (the scheduler, the compiler); accepted here so they are not rejected as unknown.
 _HANDLED_ELSEWHERE = {
-    "batch_gears", "adaptive_batching_target_p99_ms",  # the scheduler's
+    "batch_gears", "adaptive_batching_target_p99_ms", "early_batch_dispatch",  # the scheduler's
     "compile_precision_mode", "compile_dynamic_batch_size", "compile_quantize", "compile_calibration_data",
     "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",  # the compiler's
 }
