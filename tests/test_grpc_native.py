@@ -31,9 +31,8 @@ from geserve.frontends.grpc.health import SERVING, HealthCheckRequest, HealthChe
 from geserve.frontends.grpc.server import GrpcOptions
 from tests.support import models
 from tests.support.server import RunningServer, geserve
+from tests.test_grpc_client import A, B, simple_inputs
 
-A = np.arange(16, dtype=np.int32)[None]
-B = np.full((1, 16), 3, dtype=np.int32)
 MAX_STREAMS = 8
 LIVE = "/inference.GRPCInferenceService/ServerLive"
 
@@ -59,15 +58,6 @@ def native(repo: Path) -> Iterator[RunningServer]:
 def grpcio(repo: Path) -> Iterator[RunningServer]:
     with geserve([repo], repo.parent / "grpcio.log", ["--grpc-server", "grpcio"]) as running:
         yield running
-
-
-def simple_inputs() -> list[grpcclient.InferInput]:
-    inputs = []
-    for name, value in (("INPUT0", A), ("INPUT1", B)):
-        tensor = grpcclient.InferInput(name, list(value.shape), "INT32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
 
 
 def outcomes(url: str) -> list[Any]:
