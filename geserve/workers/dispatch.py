@@ -90,7 +90,7 @@ class Dispatcher:
         ours.setblocking(False)
         self._channels[index] = ours
         self._open[index] = dict.fromkeys(self.kinds, 0)
-        loop = self._loop or asyncio.get_running_loop()
+        loop = self._loop = self._loop or asyncio.get_running_loop()  # kept: `_drop` must unwatch what it closes
         loop.add_reader(ours.fileno(), self._reports, index, ours)
         return theirs
 
