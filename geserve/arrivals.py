@@ -15,7 +15,7 @@ import time
 class Arrivals:
     """Counts kept by the sources of requests and the pools that run them; one per process (`ARRIVALS`)."""
 
-    __slots__ = ("executing", "idle_clients", "in_transit", "newest_client_ns", "open_ended")
+    __slots__ = ("_bounded", "executing", "idle_clients", "in_transit", "newest_client_ns", "open_ended")
 
     def __init__(self) -> None:
         self.idle_clients = 0
@@ -28,11 +28,14 @@ class Arrivals:
         """Executions under way in any instance pool (a model may send requests of its own: ensembles, BLS)."""
         self.newest_client_ns = 0
         """When the newest client connected (time.monotonic_ns): its peers may still be connecting."""
+        self._bounded = False
 
     def bounded(self) -> None:
         """Every request source of this process reports here (the native HTTP server alone, or with others that
-        count themselves in `open_ended`)."""
-        self.open_ended -= 1
+        count themselves in `open_ended`). Once per process, however many servers it starts."""
+        if not self._bounded:
+            self._bounded = True
+            self.open_ended -= 1
 
     def connected(self) -> None:
         self.idle_clients += 1
