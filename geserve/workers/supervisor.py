@@ -35,7 +35,7 @@ from geserve.frontends.tls import TlsError, tls_files
 from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
 from geserve.settings import ServerSettings
-from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors, handed_kinds
+from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors
 from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.wire import Peer, PeerGone
@@ -160,7 +160,7 @@ class Supervisor:
         """Port 0 asks for any free port: one for all the workers, held (bound, never listening) by the supervisor
         so that it stays theirs."""
         settings = self.settings
-        handed = handed_kinds(settings)  # the supervisor binds those itself
+        handed = self._dispatch.kinds  # the supervisor binds those itself
         for flag, port, wanted in (("--http-port", settings.http_port, settings.allow_http and HTTP not in handed),
                                    ("--grpc-port", settings.grpc_port, settings.allow_grpc and GRPC not in handed)):
             if wanted and port == 0:

@@ -24,7 +24,13 @@ import grpc
 
 from geserve.frontends.grpc.h2_connection import GrpcH2Connection, Method
 from geserve.frontends.grpc.health import HealthService
-from geserve.frontends.grpc.server import GrpcInferenceServicer, GrpcOptions, call_context, inference_handler
+from geserve.frontends.grpc.server import (
+    GrpcInferenceServicer,
+    GrpcOptions,
+    call_context,
+    grpc_target,
+    inference_handler,
+)
 from geserve.frontends.http.native_server import bind_listeners
 from geserve.service.service import InferenceService
 
@@ -87,9 +93,7 @@ class NativeGrpcServer:
 
     @property
     def target(self) -> str:
-        host = self.options.address
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return f"{host}:{self.port}"
+        return grpc_target(self.options.address, self.port)
 
     async def start(self) -> None:
         servicer = GrpcInferenceServicer(self._service)

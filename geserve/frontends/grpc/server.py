@@ -361,9 +361,7 @@ class GrpcServer(TlsEndpoint):
 
     @property
     def target(self) -> str:
-        host = self.options.address
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return f"{host}:{self.options.port}"
+        return grpc_target(self.options.address, self.options.port)
 
     async def start(self) -> None:
         server = grpc.aio.server(options=self.options.channel_options())
@@ -391,6 +389,12 @@ class GrpcServer(TlsEndpoint):
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+
+def grpc_target(address: str, port: int) -> str:
+    """host:port as gRPC names a listening address (an IPv6 host in brackets)."""
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+    return f"{host}:{port}"
 
 
 def _tls_note(tls: GrpcTls | None) -> str:
