@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,15 @@ def _start_node(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def _accepts(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def _wait_nodes(address: str, count: int, nodes: list[subprocess.Popen[bytes]], log: Path, timeout: float) -> None:
     """Until the GCS lists `count` live nodes (asked by a short child process, so this one stays Ray-free)."""
     probe = (
@@ -84,16 +94,21 @@ def _wait_nodes(address: str, count: int, nodes: list[subprocess.Popen[bytes]], 
         for node in nodes:
             if node.poll() is not None:
                 raise RuntimeError(f"a Ray node exited with {node.returncode}:\n{log.read_text()[-3000:]}")
-        result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True,
-                                env=ray_env(), timeout=60, check=False)
-        if result.returncode == 0 and result.stdout.strip().splitlines()[-1:] == [str(count)]:
-            return
+        # A driver started before the GCS listens hangs in its reconnect loop for minutes: probe only once the
+        # port accepts, and retry a probe that hangs all the same (a loaded machine) rather than fail.
+        if _accepts(address):
+            probe_limit = min(30.0, max(5.0, deadline - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True,
+                                        env=ray_env(), timeout=probe_limit, check=False)
+                if result.returncode == 0 and result.stdout.strip().splitlines()[-1:] == [str(count)]:
+                    return
         time.sleep(1)
     raise RuntimeError(f"the Ray cluster did not reach {count} nodes in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 @contextlib.contextmanager
-def ray_cluster(temp_dir: Path, cpus: Sequence[float] = (1, 1), timeout: float = 90.0) -> Iterator[RayCluster]:
+def ray_cluster(temp_dir: Path, cpus: Sequence[float] = (1, 1), timeout: float = 180.0) -> Iterator[RayCluster]:
     """A head node and one node more per entry of `cpus` after the first, each with that many CPUs."""
     temp_dir.mkdir(parents=True, exist_ok=True)
     log = temp_dir / "nodes.log"
