@@ -3,8 +3,10 @@
 Both servers run side by side (the baseline from a temporary git worktree), each serving the example MLP as
 configured and with dynamic batching, and only one is driven at a time by perf_analyzer (harness.py's
 settings): HTTP c=1 (p50), HTTP c=16, HTTP c=16 with dynamic batching, gRPC c=16 (throughput). The order of the
-two systems alternates each round; the report gives each cell's median and the new/old ratio. Writes
-bench/results/ab_compare.md and ab_compare.json.
+two systems alternates each round; the report gives each cell's median and the new/old ratio, and the server's
+CPU per inference in each cell (its whole process tree, from /proc, over its inference count): steadier than
+throughput on this VM, so the table to read for small cuts. Writes bench/results/ab_compare.md and
+ab_compare.json.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import harness  # noqa: E402
 from harness import FULL, QUICK, Endpoint, Mode, Point, Samples  # noqa: E402
 
+from geserve.tune.machine import tree_cpu_s  # noqa: E402
 from tests.support.reference import free_port  # noqa: E402
 from tests.support.server import RunningServer, _wait_live, stop_geserve  # noqa: E402
 
@@ -79,15 +83,30 @@ def endpoints(server: RunningServer, system: str) -> dict[str, Endpoint]:
     }
 
 
-def measure(eps: dict[str, Endpoint], mode: Mode, samples: Samples) -> dict[str, float | None]:
+def served_count(endpoint: Endpoint) -> int:
+    url = f"http://{endpoint.http_url}/v2/models/{MODEL}{endpoint.model_suffix}/stats"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        stats = json.load(answer)
+    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
+def measure(server: RunningServer, eps: dict[str, Endpoint], mode: Mode, samples: Samples) -> dict[str, float | None]:
+    """Each cell's figure, and under `cpu_label(cell)` the server's CPU µs per inference during its run."""
     values: dict[str, float | None] = {}
     for label, protocol, suffix, concurrency, field in CELLS:
         endpoint = eps[protocol]
         if suffix:
             endpoint = Endpoint(endpoint.system, protocol, endpoint.url, endpoint.http_url, suffix)
+        count, cpu = served_count(endpoint), tree_cpu_s(server.process.pid)
         point: Point | None = harness.perf_analyzer(endpoint, MODEL, concurrency, mode.window_ms, mode, samples)
+        cpu, count = tree_cpu_s(server.process.pid) - cpu, served_count(endpoint) - count
         values[label] = None if point is None else getattr(point, "p50_us" if field == "p50" else field)
+        values[cpu_label(label)] = cpu / count * 1e6 if count else None
     return values
+
+
+def cpu_label(label: str) -> str:
+    return f"{label.split(' (')[0]}: server CPU µs/inf"
 
 
 def median(values: list[float | None]) -> float | None:
@@ -105,13 +124,14 @@ def report(rounds: dict[str, list[dict[str, float | None]]], baseline: str, curr
         "| cell | baseline | new | new / baseline | rounds (baseline) | rounds (new) |",
         "|---|---:|---:|---:|---|---|",
     ]
-    for label, *_ in CELLS:
+    for label in [cell[0] for cell in CELLS] + [cpu_label(cell[0]) for cell in CELLS]:
         old = median([r[label] for r in rounds["old"]])
         new = median([r[label] for r in rounds["new"]])
         ratio = f"{new / old:.2f}" if old and new else "n/a"
         each = {k: ", ".join("-" if r[label] is None else f"{r[label]:.0f}" for r in rounds[k]) for k in rounds}
         lines.append(f"| {label} | {old or 0:.0f} | {new or 0:.0f} | {ratio} | {each['old']} | {each['new']} |")
-    lines += ["", "For p50 a ratio under 1 is better; for throughput, over 1. This VM moves ±15-30% between runs."]
+    lines += ["", "For p50 and CPU a ratio under 1 is better; for throughput, over 1. "
+              "This VM moves ±15-30% between runs."]
     return "\n".join(lines) + "\n"
 
 
@@ -144,7 +164,7 @@ def main() -> int:
             order = ("old", "new") if index % 2 == 0 else ("new", "old")
             for name in order:
                 print(f"round {index + 1}: {name}", file=sys.stderr)
-                rounds[name].append(measure(eps[name], mode, samples))
+                rounds[name].append(measure(servers[name], eps[name], mode, samples))
     text = report(rounds, args.baseline, current, mode)
     print(text)
     (harness.RESULTS / "ab_compare.md").write_text(text)

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
+from geserve.arrivals import ARRIVALS
 from geserve.backends.base import Execution, ModelInstance, Results
 from geserve.config import parse_config_text
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError
@@ -19,6 +20,13 @@ from geserve.scheduling.pool import InstancePool
 from geserve.scheduling.queue import QueuePolicy
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, OutputTensor
+
+
+@pytest.fixture(autouse=True)
+def open_ended_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests time Triton's queue delay to the letter. A server an earlier test started in this process may have
+    marked the process's arrivals bounded, which lets batches go early (tests/test_early_dispatch.py covers that)."""
+    monkeypatch.setattr(ARRIVALS, "open_ended", ARRIVALS.open_ended + 1)
 
 
 class RecordingInstance(ModelInstance):

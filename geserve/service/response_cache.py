@@ -224,7 +224,7 @@ def request_key(model: LoadedModel, request: InferenceRequest) -> bytes:
     digest.update(len(header).to_bytes(_LENGTH, "little"))
     digest.update(header)
     for tensor in sorted(request.inputs, key=_name):
-        data = tensor_bytes(tensor)  # a memoryview of the array's own memory unless BYTES or not contiguous
+        data = tensor_bytes(tensor)  # a view of the array's own memory unless small, BYTES or not contiguous
         digest.update(len(data).to_bytes(_LENGTH, "little"))
         digest.update(data)
     return digest.digest()

@@ -56,8 +56,12 @@ def split_bytes(view: memoryview, count: int | None = None) -> tuple[list[bytes]
     return items, offset
 
 
+# Below this size a copy costs less than the four array views a zero-copy memoryview takes (~0.2 vs ~1.5 µs).
+_COPY_BELOW = 4096
+
+
 def tensor_bytes(tensor: Tensor, copy: bool = False) -> bytes | memoryview:
-    """A tensor's wire bytes: a view of the array's memory (a copy if asked), or prefixed BYTES elements."""
+    """A tensor's wire bytes: a view of the array's memory (a copy if asked, or small), or prefixed BYTES elements."""
     data = tensor.data
     if tensor.datatype == "BYTES":
         parts = []
@@ -66,5 +70,6 @@ def tensor_bytes(tensor: Tensor, copy: bool = False) -> bytes | memoryview:
             parts.append(LENGTH_PREFIX.pack(len(item)))
             parts.append(item)
         return b"".join(parts)
-    contiguous = np.ascontiguousarray(data)
-    return contiguous.tobytes() if copy else contiguous.reshape(-1).view(np.uint8).data
+    if copy or data.nbytes <= _COPY_BELOW:
+        return data.tobytes()
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
