@@ -250,8 +250,9 @@ def wait_for_quiet(max_wait_s: float) -> bool:
     return machine_quiet(BUSY_LIMIT, max_wait_s)
 
 
-def model_repository(models: list[str], dest: Path) -> Path:
-    """The benchmarked models as configured (symlinks), and each again with dynamic batching turned on."""
+def model_repository(models: list[str], dest: Path, delay_us: int = 0) -> Path:
+    """The benchmarked models as configured (symlinks), and each again with dynamic batching turned on (with a
+    `max_queue_delay_microseconds` of `delay_us`)."""
     dest.mkdir(parents=True, exist_ok=True)
     for model in models:
         (dest / model).symlink_to(EXAMPLES / model, target_is_directory=True)
@@ -263,6 +264,8 @@ def model_repository(models: list[str], dest: Path) -> Path:
         config = load_config(EXAMPLES / model)
         config.name = model + DB_SUFFIX
         config.dynamic_batching.SetInParent()
+        if delay_us:
+            config.dynamic_batching.max_queue_delay_microseconds = delay_us
         (batched / "config.pbtxt").write_text(text_format.MessageToString(config))
     return dest
 

@@ -532,12 +532,13 @@ def test_the_client_certificate_reaches_the_call_context(pki: Pki) -> None:
     extension = asgi_tls_extension(_FakeTransport(der), mutual=True)
     assert extension["client_cert_name"] == "CN=alice,O=Example Team" and extension["tls_version"] == 0x0304
     assert extension["client_cert_chain"] == [ssl.DER_cert_to_PEM_cert(der)]
-    scope = {"type": "http", "headers": [], "client": ("127.0.0.1", 5), "extensions": {"tls": extension}}
-    assert _context(scope).peer_certificate_subject == "CN=alice,O=Example Team"
-    assert _context({**scope, "extensions": {}}).peer_certificate_subject is None  # plain HTTP
+    client = ("127.0.0.1", 5)
+    assert _context(client, {}, {"tls": extension}).peer_certificate_subject == "CN=alice,O=Example Team"
+    assert _context(client, {}, {}).peer_certificate_subject is None  # plain HTTP
+    assert _context(client, {}, None).peer_certificate_subject is None  # the native server's plain HTTP
     one_way = asgi_tls_extension(_FakeTransport(None), mutual=False)
     assert one_way["client_cert_name"] is None
-    assert _context({**scope, "extensions": {"tls": one_way}}).peer_certificate_subject is None
+    assert _context(client, {}, {"tls": one_way}).peer_certificate_subject is None
     assert grpc_peer_subject({"x509_pem_cert": [pki.alice.cert_pem]}) == "CN=alice,O=Example Team"
     assert grpc_peer_subject({"transport_security_type": [b"insecure"]}) is None
 

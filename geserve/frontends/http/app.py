@@ -22,7 +22,7 @@ from geserve.errors import (
 )
 from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
 from geserve.frontends.http.status import HTTP_STATUS
-from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.context import ApiGroup, CallContext, FrontendTrace, Transport
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import OutputPlacementError
 from geserve.types import InferenceRequest
@@ -50,6 +50,10 @@ _LOG_TYPES = {"log_file": str, "log_info": bool, "log_warning": bool, "log_error
 _TRACE_KEYS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
 
 Response = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]
+# A response and the trace to finish once it is sent (HttpFrontend.respond).
+Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]], FrontendTrace | None]
+# A request's body: whole (the native server reads it before answering) or to receive (ASGI).
+BodySource = bytes | Receive
 
 
 class BodyTooLarge(InvalidArgumentError):
@@ -78,27 +82,20 @@ class HttpFrontend:
         self._max_input_size = max_input_size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry (uvicorn); the native server calls `respond` without the ASGI messages."""
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
-        headers = dict(scope["headers"])
-        context = _context(scope, headers)
         try:
-            status, body, content_type, extra = await self._dispatch(scope, receive, headers, context)
+            status, body, content_type, extra, trace = await self.respond(
+                scope["method"], scope["path"], dict(scope["headers"]), receive, scope.get("client"),
+                scope.get("extensions"),
+            )
         except ClientDisconnected:
             return
-        except GeserveError as exc:
-            status, body = HTTP_STATUS[exc.code], _error_body(exc.message)
-            content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
-            extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
-            extra += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers]
-        except Exception as exc:  # never let one request take the server down
-            logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
-            status, body, content_type, extra = 500, _error_body(f"internal error: {exc}"), _JSON, []
         response_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]
-        trace = context.trace  # set only on a request the service traced
         if trace is not None:
             trace.mark("HTTP_SEND_START")
         await send({"type": "http.response.start", "status": status, "headers": response_headers})
@@ -106,13 +103,34 @@ class HttpFrontend:
         if trace is not None:
             trace.finish("HTTP_SEND_END")
 
+    async def respond(
+        self, method: str, path: str, headers: dict[bytes, bytes], source: BodySource,
+        client: tuple[str, int] | None, extensions: dict[str, Any] | None,
+    ) -> Answer:
+        """One request's answer: status, body, content type, more headers, and the trace to finish once it is sent
+        (set only on a request the service traced). `headers` have lower-case names; `extensions` are ASGI's (TLS).
+        Raises ClientDisconnected only while receiving the body."""
+        context = _context(client, headers, extensions)
+        try:
+            status, body, content_type, extra = await self._dispatch(method, path, source, headers, context)
+        except ClientDisconnected:
+            raise
+        except GeserveError as exc:
+            status, body = HTTP_STATUS[exc.code], _error_body(exc.message)
+            content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
+            extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
+            extra += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers]
+        except Exception as exc:  # never let one request take the server down
+            logger.exception("unhandled error serving %s %s", method, path)
+            status, body, content_type, extra = 500, _error_body(f"internal error: {exc}"), _JSON, []
+        return status, body, content_type, extra, context.trace
+
     async def _dispatch(
-        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], context: CallContext
+        self, method: str, path: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         """Triton's routes; a known route asked with the wrong method is 405, anything else 404."""
         service = self._service
-        method = scope["method"]
-        parts = scope["path"].split("/")[1:]
+        parts = path.split("/")[1:]
         if not parts or parts[0] != "v2":
             return _not_found()
         if len(parts) == 1:
@@ -121,7 +139,7 @@ class HttpFrontend:
         if group == "models" and len(parts) > 2:
             if parts[2:] == ["stats"]:
                 return _json(await service.statistics(context=context)) if method == "GET" else _not_allowed()
-            return await self._model_route(method, parts[2:], receive, headers, context)
+            return await self._model_route(method, parts[2:], source, headers, context)
         if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
             if method != "GET":
                 return _not_allowed(_TEXT)
@@ -131,7 +149,7 @@ class HttpFrontend:
             if parts[2:] == ["index"]:
                 if method != "POST":
                     return _not_allowed()
-                body = await self._read_body(receive, headers)
+                body = await self._read_body(source, headers)
                 options = parse_json(body) if body.strip() else {}
                 ready = options.get("ready", False) if isinstance(options, dict) else False
                 if not isinstance(ready, bool):
@@ -140,22 +158,22 @@ class HttpFrontend:
             if len(parts) == 5 and parts[2] == "models" and parts[3] and parts[4] in ("load", "unload"):
                 if method != "POST":
                     return _not_allowed()
-                return await self._repository_action(parts[3], parts[4], receive, headers, context)
+                return await self._repository_action(parts[3], parts[4], source, headers, context)
         if group in ("systemsharedmemory", "cudasharedmemory"):
-            return await self._shm_route(group, method, parts[2:], receive, headers, context)
+            return await self._shm_route(group, method, parts[2:], source, headers, context)
         if parts[1:] == ["logging"]:
             if method == "GET":
                 return _json(await service.log_settings(context=context))
             if method != "POST":
                 return _not_allowed()
-            changes = _log_changes(parse_json(await self._read_body(receive, headers)))
+            changes = _log_changes(parse_json(await self._read_body(source, headers)))
             return _json(await service.log_settings(changes, context))
         if parts[1:] == ["trace", "setting"]:
-            return await self._trace_setting("", method, receive, headers, context)
+            return await self._trace_setting("", method, source, headers, context)
         return _not_found()
 
     async def _shm_route(
-        self, group: str, method: str, rest: list[str], receive: Receive, headers: dict[bytes, bytes],
+        self, group: str, method: str, rest: list[str], source: BodySource, headers: dict[bytes, bytes],
         context: CallContext,
     ) -> Response:
         """`rest` follows /v2/{system,cuda}sharedmemory/: [region/{name}/]status|unregister, region/{name}/register."""
@@ -185,7 +203,7 @@ class HttpFrontend:
             else:
                 await service.unregister_shared_memory(name, context)
             return 200, b"", _JSON, []
-        options = parse_json(await self._read_body(receive, headers))
+        options = parse_json(await self._read_body(source, headers))
         options = options if isinstance(options, dict) else {}
         if cuda:
             return await self._register_cuda(name, options, context)
@@ -217,22 +235,22 @@ class HttpFrontend:
         return 200, b"", _JSON, []
 
     async def _trace_setting(
-        self, model: str, method: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
+        self, model: str, method: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         if method not in ("GET", "POST"):
             return _not_allowed()
-        changes = _trace_changes(parse_json(await self._read_body(receive, headers))) if method == "POST" else None
+        changes = _trace_changes(parse_json(await self._read_body(source, headers))) if method == "POST" else None
         values = await self._service.trace_setting(model, changes, context)
         ordered = {k: values[k] for k in _TRACE_KEYS if k in values}
         return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
     async def _model_route(
-        self, method: str, parts: list[str], receive: Receive, headers: dict[bytes, bytes], context: CallContext
+        self, method: str, parts: list[str], source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         """`parts` follow /v2/models/: {name}[/versions/{digits}][/ready|/config|/stats|/infer]."""
         name, version, rest = parts[0], "", parts[1:]
         if rest == ["trace", "setting"] and name:
-            return await self._trace_setting(name, method, receive, headers, context)
+            return await self._trace_setting(name, method, source, headers, context)
         if rest[:1] == ["versions"]:
             if len(rest) < 2 or not rest[1].isdigit():
                 return _not_found()
@@ -244,7 +262,7 @@ class HttpFrontend:
             return _not_allowed(_TEXT if action in ("infer", "ready") else _JSON)
         service = self._service
         if action == "infer":
-            return await self._infer(name, version, receive, headers, context)
+            return await self._infer(name, version, source, headers, context)
         if action == "":
             return _json(service.model_metadata(name, version, context))
         if action == "ready":
@@ -256,9 +274,9 @@ class HttpFrontend:
         return _json(await service.statistics(name, version, context))
 
     async def _repository_action(
-        self, name: str, action: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
+        self, name: str, action: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
-        body = await self._read_body(receive, headers)
+        body = await self._read_body(source, headers)
         options = parse_json(body) if body.strip() else {}
         parameters = options.get("parameters", {}) if isinstance(options, dict) else {}
         if action == "load":
@@ -268,7 +286,7 @@ class HttpFrontend:
         return 200, b"", _JSON, []
 
     async def _infer(
-        self, name: str, version: str, receive: Receive, headers: dict[bytes, bytes], context: CallContext
+        self, name: str, version: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
         # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
         # does not admit the call again; the faults of the body still come after the model's lookup.
@@ -276,7 +294,7 @@ class HttpFrontend:
         traced = self._service.tracer is not None  # the receive times of a request the service may trace
         receive_start = time.monotonic_ns() if traced else 0
         try:
-            body = await self._read_body(receive, headers)
+            body = await self._read_body(source, headers)
             if traced:
                 context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
             length = _header_length(headers, len(body))
@@ -301,25 +319,14 @@ class HttpFrontend:
             extra.append((b"content-encoding", encoding))
         return 200, payload, content_type, extra
 
-    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
+    async def _read_body(self, source: BodySource, headers: dict[bytes, bytes]) -> bytes:
         limit = self._max_input_size
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BodyTooLarge(_too_large(int(declared), limit))
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnected
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(_too_large(size, limit))
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if isinstance(source, bytes):  # read whole by the native server, which enforced the same limit
+            body = source
+            if len(body) > limit:
+                raise BodyTooLarge(_too_large(len(body), limit))
+        else:
+            body = await _receive_body(source, headers, limit)
         encoding = headers.get(b"content-encoding")
         transfer = headers.get(b"transfer-encoding")
         if encoding or (transfer and transfer.strip().lower() != b"chunked"):
@@ -350,10 +357,29 @@ class _HeaderView(Mapping[str, str]):
         return len(self._raw)
 
 
-def _context(scope: Scope, headers: dict[bytes, bytes]) -> CallContext:
-    client = scope.get("client")
+async def _receive_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(_too_large(int(declared), limit))
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(_too_large(size, limit))
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _context(
+    client: tuple[str, int] | None, headers: dict[bytes, bytes], extensions: dict[str, Any] | None
+) -> CallContext:
     context = CallContext(Transport.HTTP, f"{client[0]}:{client[1]}" if client else "", _HeaderView(headers))
-    extensions = scope.get("extensions")
     if extensions is not None and "tls" in extensions:  # HTTPS; under mutual TLS, the verified client certificate
         context.peer_certificate_subject = extensions["tls"].get("client_cert_name")
     return context
