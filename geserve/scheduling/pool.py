@@ -30,11 +30,6 @@ logger = logging.getLogger(__name__)
 READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
 _Job = tuple[list[InferenceRequest], asyncio.Future[Execution], asyncio.AbstractEventLoop]
-# Executions whose CPU time is read: one in this many. The thread's CPU clock is a real system call (about 0.6 µs,
-# several under load; a GIL-holding profile of a small model put the two reads per run at 10% of the loop's time),
-# and the moving average it feeds needs no more.
-_CPU_SAMPLE_EVERY = 8
-_NOT_SAMPLED = -1
 
 
 class Worker:
@@ -49,15 +44,11 @@ class Worker:
         self.thread.start()
 
     def _serve(self) -> None:
-        runs = 0
         while (job := self.jobs.get()) is not None:
             requests, future, loop = job
-            sampled = runs % _CPU_SAMPLE_EVERY == 0
-            runs += 1
-            started = time.thread_time_ns() if sampled else 0
+            started = time.thread_time_ns()
             outcome = _execute(self.instance, requests)
-            cpu_ns = time.thread_time_ns() - started if sampled else _NOT_SAMPLED
-            loop.call_soon_threadsafe(self._pool._finish, self, future, outcome, cpu_ns)
+            loop.call_soon_threadsafe(self._pool._finish, self, future, outcome, time.thread_time_ns() - started)
             # Idle until the next job: hold no reference to this batch's tensors meanwhile.
             del job, requests, future, outcome
 
@@ -98,7 +89,6 @@ class InstancePool:
         # Moving average of one execution's CPU time on the thread that runs it; decides where the next one runs.
         # CPU, not wall time: a run that a busy machine preempted is no reason to pay thread hand-offs after it.
         self._typical_ns = 0
-        self._inline_runs = 0
         # Batches still running whose caller was cancelled: how each is counted once it finishes (`_finish`).
         self._orphans: dict[asyncio.Future[Execution], Callable[[Execution], Results]] = {}
         self.inline_below_ns = inline_below_us * 1000
@@ -140,12 +130,9 @@ class InstancePool:
         try:
             if worker.inline_allowed and 0 < self._typical_ns <= self.inline_below_ns:
                 # Shorter than a thread hand-off costs under the GIL: run it here, the loop stalls less than that.
-                sampled = self._inline_runs % _CPU_SAMPLE_EVERY == 0
-                self._inline_runs += 1
-                cpu_started = time.thread_time_ns() if sampled else 0
+                cpu_started = time.thread_time_ns()
                 outcome = _execute(worker.instance, requests)
-                if sampled:
-                    self._note(time.thread_time_ns() - cpu_started)
+                self._note(time.thread_time_ns() - cpu_started)
                 self.release(worker)
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -236,12 +223,10 @@ class InstancePool:
         self._free.append(worker)
 
     def _note(self, cpu_ns: int) -> None:
-        if cpu_ns == _NOT_SAMPLED:
-            return
         typical = self._typical_ns
         # A sample counts for at most twice the typical run: on a VM, time the hypervisor took from the vCPU still
         # reads as the thread's CPU time, and a few such runs must not send the next ones through thread hand-offs
-        # (which cost more CPU). A model that really got slower doubles the average within about six samples.
+        # (which cost more CPU). A model that really got slower doubles the average within about six runs.
         self._typical_ns = cpu_ns if not typical else (7 * typical + min(cpu_ns, 2 * typical)) // 8
 
     def _finish(
