@@ -169,6 +169,47 @@ def test_preferred_size_goes_at_once_and_a_partial_batch_waits_for_the_delay() -
     assert fakes[0].rows == [4, 3]
 
 
+def test_a_sleeping_batch_goes_once_arrivals_fill_it_to_the_limit() -> None:
+    """The batcher waits out the delay of a partial batch without waking for arrivals that cannot fill it; the
+    arrival that does (one row at a time, or many rows at once) sends it at once."""
+
+    async def body(batcher: DynamicBatcher, fakes: list[RecordingInstance]) -> None:
+        started = time.monotonic()
+        first = [asyncio.ensure_future(batcher.enqueue(request(f"a{i}"))) for i in range(2)]
+        await asyncio.sleep(0.02)  # the batcher sleeps with 2 of 4 rows
+        first += [asyncio.ensure_future(batcher.enqueue(request(f"b{i}"))) for i in range(2)]
+        await asyncio.gather(*first)
+        assert time.monotonic() - started < 0.15  # filled to the limit: no waiting for the 300 ms delay
+        started = time.monotonic()
+        second = asyncio.ensure_future(batcher.enqueue(request("c")))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(second, batcher.enqueue(request("d", rows=3)))
+        assert time.monotonic() - started < 0.15
+        started = time.monotonic()
+        await asyncio.gather(*(batcher.enqueue(request(f"e{i}")) for i in range(3)))
+        assert time.monotonic() - started >= 0.29  # 3 of 4 rows: the delay is waited out
+
+    fakes = run(body, settings(max_batch_size=4, preferred_batch_sizes=(4,), max_queue_delay_ns=300_000_000))
+    assert fakes[0].rows == [4, 4, 3]
+
+
+def test_a_request_with_a_timeout_wakes_a_sleeping_batcher() -> None:
+    """An arrival with a queue timeout shorter than the batch's delay is rejected when it expires, not when the
+    delay ends."""
+
+    async def body(batcher: DynamicBatcher, fakes: list[RecordingInstance]) -> None:
+        waiting = asyncio.ensure_future(batcher.enqueue(request("a")))
+        await asyncio.sleep(0.02)
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="Request timeout expired"):
+            await batcher.enqueue(request("b", width=5, timeout_us=50_000))  # its own shape: never in a's batch
+        assert time.monotonic() - started < 0.25
+        await waiting
+
+    run(body, settings(max_batch_size=4, preferred_batch_sizes=(4,), max_queue_delay_ns=400_000_000,
+                       policies={1: QueuePolicy(allow_timeout_override=True)}))
+
+
 def test_full_queue_rejects_at_once_with_unavailable() -> None:
     async def body(batcher: DynamicBatcher, fakes: list[RecordingInstance]) -> None:
         held = await hold(fakes[0], batcher)
