@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
+from geserve.frontends.http.app import Receive, Send
+from geserve.frontends.http.native_server import NativeHttpServer
 from tests.support.server import RunningServer, geserve
 
 INFER = json.dumps({"inputs": [
@@ -119,3 +123,37 @@ def test_a_malformed_request_after_a_good_one_is_answered_in_turn(server: Runnin
         answer, rest = body[:length], body[length:]
     assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2 * i for i in range(16)]
     assert rest.startswith(b"HTTP/1.1 400")
+
+
+def test_a_client_asking_to_close_gets_one_connection_header_and_a_close(server: RunningServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(_request("POST", "/v2/models/simple/infer", INFER, "Connection: close\r\n"))
+        data = _read_until_closed(sock)
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 200") and head.count(b"connection: close") == 1
+
+
+def test_an_asgi_app_asking_to_close_gets_one_connection_header() -> None:
+    """The ASGI path (apps without `respond`, such as the metrics app): the app's own `connection: close` is written
+    once, and the connection closes after the response."""
+    async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> bytes:
+        http = NativeHttpServer(app, "127.0.0.1", 0, 1 << 20)
+        serving = asyncio.ensure_future(http.serve())
+        while not http.started:
+            await asyncio.sleep(0.01)
+        assert http._server_address is not None
+        reader, writer = await asyncio.open_connection(*http._server_address)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closes
+        writer.close()
+        http.should_exit = True
+        await serving
+        return data
+
+    data = asyncio.run(main())
+    assert data.startswith(b"HTTP/1.1 200") and data.lower().count(b"connection: close") == 1 and data.endswith(b"ok")

@@ -432,8 +432,9 @@ class _ResponseWriter:
                 lowered = name.lower()
                 if lowered == b"content-length":
                     has_length = True
-                elif lowered == b"connection" and value.lower() == b"close":
-                    self.close_requested = True
+                elif lowered == b"connection":  # written below, once, from what the server will do
+                    self.close_requested = self.close_requested or value.lower() == b"close"
+                    continue
                 lines.append(name + b": " + value)
             if not has_length:
                 self._chunked = True
