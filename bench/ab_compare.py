@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -83,13 +82,6 @@ def endpoints(server: RunningServer, system: str) -> dict[str, Endpoint]:
     }
 
 
-def served_count(endpoint: Endpoint) -> int:
-    url = f"http://{endpoint.http_url}/v2/models/{MODEL}{endpoint.model_suffix}/stats"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        stats = json.load(answer)
-    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
-
-
 def measure(server: RunningServer, eps: dict[str, Endpoint], mode: Mode, samples: Samples) -> dict[str, float | None]:
     """Each cell's figure, and under `cpu_label(cell)` the server's CPU µs per inference during its run."""
     values: dict[str, float | None] = {}
@@ -97,9 +89,10 @@ def measure(server: RunningServer, eps: dict[str, Endpoint], mode: Mode, samples
         endpoint = eps[protocol]
         if suffix:
             endpoint = Endpoint(endpoint.system, protocol, endpoint.url, endpoint.http_url, suffix)
-        count, cpu = served_count(endpoint), tree_cpu_s(server.process.pid)
+        model = MODEL + endpoint.model_suffix
+        count, cpu = harness.served_count(endpoint.http_url, model), tree_cpu_s(server.process.pid)
         point: Point | None = harness.perf_analyzer(endpoint, MODEL, concurrency, mode.window_ms, mode, samples)
-        cpu, count = tree_cpu_s(server.process.pid) - cpu, served_count(endpoint) - count
+        cpu, count = tree_cpu_s(server.process.pid) - cpu, harness.served_count(endpoint.http_url, model) - count
         values[label] = None if point is None else getattr(point, "p50_us" if field == "p50" else field)
         values[cpu_label(label)] = cpu / count * 1e6 if count else None
     return values

@@ -201,6 +201,13 @@ def raw_in_child(model_dir: Path, budget_s: float) -> RawResult:
 # ---------------------------------------------------------------------------------- perf_analyzer
 
 
+def served_count(http: str, model: str) -> int:
+    """The successful inferences a server's statistics count for `model` (all versions), over HTTP at host:port."""
+    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as answer:
+        stats = json.load(answer)
+    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
 def perf_analyzer_args(endpoint: Endpoint, model: str, concurrency: int, window_ms: int, stability: int,
                        mode: Mode, csv_path: Path) -> list[str]:
     return [

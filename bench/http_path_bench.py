@@ -2,14 +2,15 @@
 served in-process (its own ONNX Runtime session, as configured), requests fed to the native HTTP server's connection
 objects as perf_analyzer's bytes, answers caught by a stand-in transport. Layers are peeled one at a time:
 
-- http: the whole path (HTTP parsing, the ASGI app, decoding, the service, scheduling, ONNX Runtime, encoding);
+- http: the whole path (HTTP parsing, the inference app, decoding, the service, scheduling, ONNX Runtime, encoding);
 - service: `service.infer` on a decoded request (the service, scheduling and ONNX Runtime);
 - onnxruntime: the model's session run alone (b=1);
 
 each unbatched (one connection, one request at a time) and with `dynamic_batching { max_queue_delay_microseconds:
-2000 }` (16 connections, each with one request in flight, as perf_analyzer's c=16 closed loop; issue 15's cell), as the main thread's CPU per request (time.thread_time, so
-ONNX Runtime's pool threads are left out) in alternating rounds. Steadier than throughput on this VM by an order of
-magnitude: the tool for A/B-ing hot-path changes. Writes bench/results/http_path.md.
+2000 }` (16 connections, each with one request in flight, as perf_analyzer's c=16 closed loop; issue 15's cell), as
+the main thread's CPU per request (time.thread_time, so ONNX Runtime's pool threads are left out) in alternating
+rounds. It shows where a request's CPU goes; on this VM a cell still moves by about 10% between runs, so A/B small
+changes over several runs of each tree. Writes bench/results/http_path.md.
 
 Usage: .venv/bin/python bench/http_path_bench.py [--rounds N] [--requests N]
 """

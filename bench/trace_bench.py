@@ -127,19 +127,13 @@ def server_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def served_count(server: RunningServer) -> int:
-    with urllib.request.urlopen(f"{server.base}/v2/models/{MODEL}/stats", timeout=10) as answer:
-        stats = json.loads(answer.read())
-    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
-
-
 def measure(config: Config, mode: harness.Mode) -> dict[str, float | None]:
     server = config.server
     assert server is not None
-    cpu0, count0 = server_cpu_s(server.process.pid), served_count(server)
+    cpu0, count0 = server_cpu_s(server.process.pid), harness.served_count(f"127.0.0.1:{server.http_port}", MODEL)
     with harness.others_share() as others:
         point = perf_analyzer(server, mode)
-    cpu1, count1 = server_cpu_s(server.process.pid), served_count(server)
+    cpu1, count1 = server_cpu_s(server.process.pid), harness.served_count(f"127.0.0.1:{server.http_port}", MODEL)
     return {
         CELLS[0]: None if point is None else point.throughput,
         CELLS[1]: None if point is None else point.p50_us,

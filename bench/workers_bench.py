@@ -235,12 +235,6 @@ def warm_up(server: Server, model: str) -> None:
 # --------------------------------------------------------------------------------------- measuring
 
 
-def served_count(server: Server, model: str) -> int:
-    with urllib.request.urlopen(f"http://{server.http}/v2/models/{model}/stats", timeout=10) as answer:
-        stats = json.load(answer)
-    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
-
-
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -261,11 +255,11 @@ def perf_analyzer(cell: Cell, server: Server, window_ms: int, mode: Mode, sample
                                               csv_path)
             if cell.streaming:
                 args.insert(-2, "--streaming")
-            count0, tree0, pa0, wall0 = (served_count(server, cell.model), tree_cpu_s(server.pid), children_cpu_s(),
-                                         time.monotonic())
+            count0, tree0, pa0, wall0 = (harness.served_count(server.http, cell.model), tree_cpu_s(server.pid),
+                                         children_cpu_s(), time.monotonic())
             result = reference.run_perf_analyzer(args, timeout=60 + mode.max_trials * window / 1000 * 2)
             wall, pa, tree = time.monotonic() - wall0, children_cpu_s() - pa0, tree_cpu_s(server.pid) - tree0
-            count = served_count(server, cell.model) - count0
+            count = harness.served_count(server.http, cell.model) - count0
             point = harness.read_csv_point(csv_path)
             output = result.stdout + result.stderr
         samples.commands[cell.key] = ["perf_analyzer", *args[:-2]]
