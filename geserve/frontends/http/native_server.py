@@ -332,9 +332,7 @@ class _Connection(asyncio.Protocol):
             _ResponseWriter(self._transport, request).write_whole(500, b'{"error":"internal server error"}')
             return False
         close = not request.keep_alive
-        head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
-            status, _REASONS.get(status, b"Unknown"), content_type, len(payload)
-        )
+        head = _head(status, content_type, len(payload))
         for name, value in extra:
             if name == b"connection":
                 close = close or value.lower() == b"close"
@@ -411,6 +409,13 @@ class _Connection(asyncio.Protocol):
             self._close()
 
 
+def _head(status: int, content_type: bytes, length: int) -> bytes:
+    """A response's status line and its content headers, each line ended (more headers may follow)."""
+    return b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
+        status, _REASONS.get(status, b"Unknown"), content_type, length
+    )
+
+
 class _ResponseWriter:
     """Buffers `http.response.start` so a whole response leaves in one write (one syscall)."""
 
@@ -455,9 +460,7 @@ class _ResponseWriter:
             self.complete = not more
 
     def write_whole(self, status: int, body: bytes, close: bool = False) -> None:
-        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
-            status, _REASONS.get(status, b"Unknown"), len(body)
-        )
+        head = _head(status, b"application/json", len(body))
         if close:
             head += b"connection: close\r\n"
         if self._transport is not None:
