@@ -148,7 +148,10 @@ class ModelStatistics:
             self.compute_input.add(input_ns * request_count, request_count)
             self.compute_infer.add(infer_ns * request_count, request_count)
             self.compute_output.add(output_ns * request_count, request_count)
-            batch = self.batches.setdefault(batch_size or batch_rows, BatchStats())
+            key = batch_size or batch_rows
+            batch = self.batches.get(key)
+            if batch is None:  # not setdefault: that would build a BatchStats on every execution
+                batch = self.batches[key] = BatchStats()
             batch.compute_input.add(input_ns)
             batch.compute_infer.add(infer_ns)
             batch.compute_output.add(output_ns)

@@ -193,3 +193,70 @@ def test_a_boolean_binary_data_size_is_refused() -> None:
     body, length = _body(header, b"\x07")
     with pytest.raises(RequestParseError, match="unexpected binary_data_size True"):
         decode_infer_request(body, length, "m", "")
+
+
+_REPEATED = {
+    "inputs": [{"name": "a", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}},
+               {"name": "b", "shape": [2], "datatype": "INT64", "parameters": {"binary_data_size": 16, "x": 1}}],
+    "outputs": [{"name": "y", "parameters": {"binary_data": True, "classification": 2}}],
+}
+
+
+def _fields(request: object) -> tuple:
+    inputs = [(t.name, t.datatype, t.shape, t.data.dtype, t.data.tolist(), t.parameters) for t in request.inputs]
+    outputs = [(o.name, o.parameters, o.shm) for o in request.outputs or ()]
+    return inputs, outputs, request.id, request.parameters, request.model_name, request.model_version
+
+
+def test_a_repeated_header_decodes_each_body_as_a_fresh_decode_would() -> None:
+    """Requests after the first with the same JSON header come from the known header: each the request a fresh parse
+    gives, its data views of its own body, and dicts of its own (a change to one request's parameters, as the
+    service may make, is not seen by the next)."""
+    from geserve.frontends.http import codec
+
+    codec._known_headers.clear()
+    for seed in range(3):
+        a, b = np.full(4, seed, np.float32), np.array([seed, -seed], np.int64)
+        body, length = _body(_REPEATED, a.tobytes(), b.tobytes())
+        assert len(codec._known_headers) == min(seed, 1)
+        request = decode_infer_request(body, length, "m", "2")
+        known = dict(codec._known_headers)
+        codec._known_headers.clear()
+        assert _fields(request) == _fields(decode_infer_request(body, length, "m", "2"))  # parsed afresh
+        codec._known_headers.update(known)
+        assert np.shares_memory(request.inputs[0].data, np.frombuffer(body, np.uint8))
+        assert request.inputs[0].data.tolist() == [[seed] * 4] and request.inputs[1].data.tolist() == [seed, -seed]
+        assert request.inputs[1].parameters == {"x": 1} and request.outputs[0].parameters["classification"] == 2
+        request.inputs[1].parameters["x"] = 99
+        request.outputs[0].parameters["classification"] = 5
+
+
+def test_a_known_header_with_a_body_of_another_size_is_decoded_and_refused_as_before() -> None:
+    decode_infer_request(*_body(_REPEATED, bytes(16), bytes(16)), "m", "")
+    body, length = _body(_REPEATED, bytes(16), bytes(20))
+    with pytest.raises(RequestParseError, match="4 bytes of binary data are not claimed"):
+        decode_infer_request(body, length, "m", "")
+    body, length = _body(_REPEATED, bytes(16), bytes(8))
+    with pytest.raises(RequestParseError, match="unexpected binary_data_size 16 for input 'b'"):
+        decode_infer_request(body, length, "m", "")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {**_REPEATED, "id": "r1"},
+        {**_REPEATED, "parameters": {"priority": 1}},
+        {"inputs": [_REPEATED["inputs"][0], {"name": "b", "shape": [2], "datatype": "INT64", "data": [1, 2]}]},
+        {"inputs": [{"name": "s", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}]},
+    ],
+    ids=["id", "parameters", "json-data", "bytes"],
+)
+def test_headers_whose_request_depends_on_more_than_the_header_are_not_kept(header: dict) -> None:
+    from geserve.frontends.http import codec
+
+    codec._known_headers.clear()
+    binaries = [bytes(16)] if len(header["inputs"]) == 2 and "data" in header["inputs"][1] else [bytes(16), bytes(16)]
+    if header["inputs"][0]["datatype"] == "BYTES":
+        binaries = [struct.pack("<I", 1) + b"x"]
+    decode_infer_request(*_body(header, *binaries), "m", "")
+    assert codec._known_headers == {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -42,7 +43,7 @@ class GeInstance(ModelInstance):
         self._layout = layout
         self._string_inputs = {n for n, t in layout.inputs.items() if t.wire_type == "BYTES"}
         uses_bf16 = any(t.wire_type == "BF16" for t in (*layout.inputs.values(), *layout.outputs.values()))
-        self._run = self._run_bound if uses_bf16 else session.run
+        self._run = self._run_bound if uses_bf16 else _direct_run(session)
         uses_strings = any(t.wire_type == "BYTES" for t in (*layout.inputs.values(), *layout.outputs.values()))
         if device.startswith("cuda:") and not (uses_bf16 or uses_strings):  # strings and bf16 bind on the host
             self._device_id = int(device.partition(":")[2])
@@ -133,6 +134,17 @@ class GeInstance(ModelInstance):
 
 
 _ONNX_BFLOAT16 = 16
+
+
+def _direct_run(session: ort.InferenceSession) -> Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]:
+    """The session's native run. `InferenceSession.run` wraps it with checks the service has already made (the
+    inputs are the model's, validated before queueing), and with a retry on another provider that only applies to an
+    accelerator session: ~3 µs a run on the CPU, measured on the MLP. Falls back to `run` where the native object is
+    not exposed or the session is not CPU-only."""
+    native = getattr(session, "_sess", None)
+    if native is None or session.get_providers() != ["CPUExecutionProvider"]:
+        return session.run
+    return lambda names, feed: native.run(names, feed, None)
 
 
 def _ortvalue_to_numpy(value: ort.OrtValue) -> np.ndarray:

