@@ -260,3 +260,15 @@ def test_headers_whose_request_depends_on_more_than_the_header_are_not_kept(head
         binaries = [struct.pack("<I", 1) + b"x"]
     decode_infer_request(*_body(header, *binaries), "m", "")
     assert codec._known_headers == {}
+
+
+def test_long_headers_are_not_kept() -> None:
+    """What the known headers hold stays bounded whatever a client sends: a header over 4 KiB is parsed each time."""
+    from geserve.frontends.http import codec
+
+    codec._known_headers.clear()
+    header = {**_REPEATED, "outputs": [{"name": "y" * 5000}]}
+    decode_infer_request(*_body(header, bytes(16), bytes(16)), "m", "")
+    assert codec._known_headers == {}
+    decode_infer_request(*_body(_REPEATED, bytes(16), bytes(16)), "m", "")
+    assert len(codec._known_headers) == 1
