@@ -54,16 +54,31 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def _node_ports() -> list[str]:
-    """The per-node ports `ray start` would otherwise take at fixed numbers (two nodes on one host collide)."""
-    worker_low = free_port()
+_WORKER_PORTS = 201  # ports in one node's worker range (Ray's minimum is one per worker)
+
+
+def _node_ports(worker_low: int) -> list[str]:
+    """The per-node ports `ray start` would otherwise take at fixed numbers (two nodes on one host collide). Workers
+    take theirs from the range at `worker_low`."""
     return [
         f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-        # workers take ports from a range: a free one picked well above the ephemeral ports most tests use
-        f"--min-worker-port={20000 + worker_low % 20000}", f"--max-worker-port={20000 + worker_low % 20000 + 200}",
+        f"--min-worker-port={worker_low}", f"--max-worker-port={worker_low + _WORKER_PORTS - 1}",
     ]
+
+
+def _worker_ports(nodes: int) -> int:
+    """The first of `nodes` adjacent worker ranges, below the kernel's ephemeral ports. Every other port of the
+    cluster is a free ephemeral one (free_port): a range among those collided with one in CI ("worker_ports is
+    trying to use a port number that is used by other components") and the node did not start."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    span = nodes * _WORKER_PORTS
+    room = max(1, ephemeral_low - 10000 - span)
+    return 10000 + free_port() % room  # random within the room: clusters of parallel runs rarely meet
 
 
 def _start_node(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
@@ -114,18 +129,19 @@ def ray_cluster(temp_dir: Path, cpus: Sequence[float] = (1, 1), timeout: float =
     log = temp_dir / "nodes.log"
     gcs_port = free_port()
     cluster = RayCluster(f"127.0.0.1:{gcs_port}", temp_dir)
+    worker_low = _worker_ports(len(cpus))
     try:
         cluster.nodes.append(_start_node([
             "--head", f"--port={gcs_port}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus[0]}",
             "--num-gpus=0", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
             f"--dashboard-port={free_port()}",  # its minimal head starts even without the dashboard, on 8265
-            f"--temp-dir={temp_dir}", "--object-store-memory=100000000", *_node_ports(),
+            f"--temp-dir={temp_dir}", "--object-store-memory=100000000", *_node_ports(worker_low),
         ], log))
         _wait_nodes(cluster.address, 1, cluster.nodes, log, timeout)
-        for count in cpus[1:]:
+        for index, count in enumerate(cpus[1:], 1):
             cluster.nodes.append(_start_node([
                 f"--address={cluster.address}", "--node-ip-address=127.0.0.1", f"--num-cpus={count}",
-                "--num-gpus=0", "--object-store-memory=100000000", *_node_ports(),
+                "--num-gpus=0", "--object-store-memory=100000000", *_node_ports(worker_low + index * _WORKER_PORTS),
             ], log))
         _wait_nodes(cluster.address, len(cpus), cluster.nodes, log, timeout)
         yield cluster
