@@ -141,18 +141,13 @@ class _Wakeup:
 
     async def wait(self, timeout_s: float | None = None) -> None:
         waiter = self._waiter = self._loop.create_future()
-        timer = None if timeout_s is None else self._loop.call_later(timeout_s, _resolve_waiter, waiter)
+        timer = None if timeout_s is None else self._loop.call_later(timeout_s, self.set)
         try:
             await waiter
         finally:
             self._waiter = None
             if timer is not None:
                 timer.cancel()
-
-
-def _resolve_waiter(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class DynamicBatcher:

@@ -159,8 +159,8 @@ class _KnownHeader:
     __slots__ = ("_inputs", "_outputs", "data_size")
 
     def __init__(self, request: InferenceRequest, data_size: int) -> None:
-        self.data_size = data_size  # copies: the first request's own dicts are its to change
-        self._inputs = tuple(
+        self.data_size = data_size
+        self._inputs = tuple(  # the dicts copied: the first request's own are its to change
             (t.name, t.datatype, t.data.dtype, t.shape, t.data.size, t.data.nbytes, dict(t.parameters))
             for t in request.inputs
         )
