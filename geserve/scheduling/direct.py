@@ -36,6 +36,19 @@ class DirectScheduler:
             raise result
         return result
 
+    def ready_now(self) -> bool:
+        return self._pool.runs_now
+
+    def answer_now(self, request: InferenceRequest) -> InferenceResponse:
+        self._inflight.enter(request.model_name)
+        try:
+            (result,) = self._pool.run_now([request])
+        finally:
+            self._inflight.leave()
+        if isinstance(result, GeserveError):
+            raise result
+        return result
+
     async def stop(self) -> None:
         await self._inflight.drain()
         await asyncio.to_thread(self._pool.close)

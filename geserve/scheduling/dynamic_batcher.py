@@ -29,7 +29,7 @@ from geserve.errors import CancelledError, InvalidArgumentError, UnavailableErro
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.pool import InstancePool, Worker, execution_failed
 from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy, ShapeKey
-from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
+from geserve.scheduling.scheduler import AnswersLater, SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class _Wakeup:
                 timer.cancel()
 
 
-class DynamicBatcher:
+class DynamicBatcher(AnswersLater):
     def __init__(self, model_name: str, settings: BatcherSettings, pool: InstancePool) -> None:
         self._name = model_name
         self._settings = settings

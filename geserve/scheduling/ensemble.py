@@ -20,7 +20,7 @@ from geserve.config.ensemble import is_ensemble
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError
 from geserve.scheduling.ensemble_plan import EnsemblePlan, StepPlan
 from geserve.scheduling.inflight import InflightTracker
-from geserve.scheduling.scheduler import Scheduler, SchedulerKind, SchedulerParts
+from geserve.scheduling.scheduler import AnswersLater, Scheduler, SchedulerKind, SchedulerParts
 from geserve.statistics import ModelStatistics
 from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, InputTensor, RequestedOutput, id_prefix
 from geserve.types.streams import StreamResponse
@@ -62,7 +62,7 @@ def _in_ensemble(name: str, error: BaseException) -> GeserveError:
     return InternalError(f"in ensemble '{name}', {type(error).__name__}: {error}", failure_reason="OTHER")
 
 
-class EnsembleScheduler:
+class EnsembleScheduler(AnswersLater):
     def __init__(self, plan: EnsemblePlan, host: InferenceHost, statistics: ModelStatistics) -> None:
         self._plan = plan
         self._host = host

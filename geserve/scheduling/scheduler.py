@@ -10,6 +10,7 @@ from typing import Protocol
 from geserve.backends.base import InferenceHost
 from geserve.config import ModelConfig
 from geserve.config.sequence import SequenceSettings
+from geserve.errors import InternalError
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
 from geserve.statistics import ModelStatistics
@@ -21,11 +22,29 @@ class Scheduler(Protocol):
         """Run `request` and return its response; raise GeserveError on failure."""
         ...
 
+    def ready_now(self) -> bool:
+        """Whether `answer_now` may be called: the request would run at once, on the loop, without awaiting."""
+        ...
+
+    def answer_now(self, request: InferenceRequest) -> InferenceResponse:
+        """`enqueue` without awaiting, right after `ready_now` said so (nothing awaited between the two)."""
+        ...
+
     @property
     def inflight_count(self) -> int: ...
 
     async def stop(self) -> None:
         """Serve or fail what is queued, wait for what is executing, release the instances."""
+
+
+class AnswersLater:
+    """For a scheduler whose requests always wait (in a queue, for a batch, for their steps): never ready now."""
+
+    def ready_now(self) -> bool:
+        return False
+
+    def answer_now(self, request: InferenceRequest) -> InferenceResponse:
+        raise InternalError(f"the scheduler of model '{request.model_name}' cannot answer without awaiting")
 
 
 @dataclass(frozen=True, slots=True)

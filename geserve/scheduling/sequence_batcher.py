@@ -31,7 +31,7 @@ from geserve.config import ModelConfig
 from geserve.config.sequence import SequenceSettings, is_sequence_model
 from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError, UnknownSequenceError
 from geserve.scheduling.pool import InstancePool
-from geserve.scheduling.scheduler import SchedulerKind, SchedulerParts
+from geserve.scheduling.scheduler import AnswersLater, SchedulerKind, SchedulerParts
 from geserve.scheduling.sequence_requests import SequenceId, SequenceInputs, sequence_id
 from geserve.scheduling.sequence_strategies import FORCE_END, DirectRunner, Item, OldestRunner, Pending, Runner, Slot
 from geserve.types import InferenceRequest, InferenceResponse
@@ -51,7 +51,7 @@ class _Backlog:
     expires_ns: int = 0  # 0: none of them has a timeout
 
 
-class SequenceBatcher:
+class SequenceBatcher(AnswersLater):
     def __init__(self, model_name: str, settings: SequenceSettings, pool: InstancePool) -> None:
         self.settings = settings
         self.pool = pool

@@ -285,6 +285,35 @@ class InferenceService:
         finally:
             self._leave()
 
+    def model_now(self, name: str, version: str = "") -> LoadedModel | None:
+        """The model, when its scheduler would run a request at once on the loop (a short model with a free instance,
+        no batching, no response cache, no trace): `infer_now` then answers without awaiting. Else None."""
+        try:
+            model = self._manager.get(name, version)
+        except GeserveError:  # answered by `infer`, in its order (admission first)
+            return None
+        if self.tracer is not None or model.response_cache or model.decoupled or not model.scheduler.ready_now():
+            return None
+        return model
+
+    def infer_now(self, model: LoadedModel, request: InferenceRequest, context: CallContext) -> InferenceResponse:
+        """`infer` for a request of `model` from `model_now`, nothing awaited since: the same checks, statistics and
+        errors, without the coroutines and task hops."""
+        self._admit_inference(request, context, "infer")
+        self._enter()
+        try:
+            started = time.monotonic_ns()
+            self._prepare(model, request, context)
+            try:
+                response = self._succeeded(model, request, model.scheduler.answer_now(request), started)
+            except Exception as exc:  # as in `_run`
+                model.statistics.record_failure(time.monotonic_ns() - started, exc)
+                raise
+            self._place_outputs(request, response)
+            return response
+        finally:
+            self._leave()
+
     async def infer_stream(
         self, request: InferenceRequest, context: CallContext = IN_PROCESS
     ) -> AsyncGenerator[StreamResponse, None]:
@@ -400,11 +429,18 @@ class InferenceService:
                 if request.outputs is not None:
                     _apply_classification(model, request, forwarded)
                 return forwarded  # counted by the worker that ran it
-            if request.outputs is not None:
-                _apply_classification(model, request, response)
+            return self._succeeded(model, request, response, started)
         except Exception as exc:  # counted whatever failed, then answered by the frontend's error table
             model.statistics.record_failure(time.monotonic_ns() - started, exc)
             raise
+
+    @staticmethod
+    def _succeeded(
+        model: LoadedModel, request: InferenceRequest, response: InferenceResponse, started: int
+    ) -> InferenceResponse:
+        """The model's answer, classified as asked and counted as a success."""
+        if request.outputs is not None:
+            _apply_classification(model, request, response)
         model.statistics.record_success(time.monotonic_ns() - started)
         response.model_version = str(model.version)
         return response

@@ -25,7 +25,7 @@ from geserve.frontends.http.status import HTTP_STATUS
 from geserve.service.context import ApiGroup, CallContext, FrontendTrace, Transport
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import OutputPlacementError
-from geserve.types import InferenceRequest
+from geserve.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +115,8 @@ class HttpFrontend:
             status, body, content_type, extra = await self._dispatch(method, path, source, headers, context)
         except ClientDisconnected:
             raise
-        except GeserveError as exc:
-            status, body = HTTP_STATUS[exc.code], _error_body(exc.message)
-            content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
-            extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
-            extra += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers]
-        except Exception as exc:  # never let one request take the server down
-            logger.exception("unhandled error serving %s %s", method, path)
-            status, body, content_type, extra = 500, _error_body(f"internal error: {exc}"), _JSON, []
+        except Exception as exc:
+            status, body, content_type, extra = _error_response(exc, method, path)
         return status, body, content_type, extra, context.trace
 
     async def _dispatch(
@@ -297,8 +291,7 @@ class HttpFrontend:
             body = await self._read_body(source, headers)
             if traced:
                 context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
-            length = _header_length(headers, len(body))
-            request = decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
+            request = self._decode(name, version, body, headers)
         except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body
             request = InferenceRequest(name, version, [], fault=exc)
         try:
@@ -306,33 +299,99 @@ class HttpFrontend:
         except UnknownModelError as exc:  # a body left unread past the size limit cannot be skipped: close
             extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
             return 404, _error_body(exc.message), _TEXT, extra
-        parts, json_length = encode_infer_response(response, request)
-        payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        extra = []
-        content_type = _JSON
-        if json_length is not None:
-            extra.append((b"inference-header-content-length", str(json_length).encode()))
-            content_type = _OCTETS
-        encoding = _response_encoding(headers.get(b"accept-encoding"))
-        if encoding is not None:
-            payload = gzip.compress(payload, 1) if encoding == b"gzip" else zlib.compress(payload, 1)
-            extra.append((b"content-encoding", encoding))
-        return 200, payload, content_type, extra
+        return _infer_response(response, request, headers)
+
+    def respond_now(
+        self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, client: tuple[str, int] | None,
+        extensions: dict[str, Any] | None,
+    ) -> Answer | None:
+        """`respond` without awaiting, for an inference request whose model answers at once (see
+        InferenceService.infer_now); None, having done nothing, for any other request: await `respond`."""
+        target = _infer_target(path) if method == "POST" else None
+        if target is None:
+            return None
+        name, version = target
+        model = self._service.model_now(name, version)
+        if model is None:
+            return None
+        context = _context(client, headers, extensions)
+        try:
+            self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)  # as in `_infer`
+            try:
+                request = self._decode(name, version, self._whole_body(body, headers), headers)
+            except GeserveError as exc:
+                request = InferenceRequest(name, version, [], fault=exc)
+            status, payload, content_type, extra = _infer_response(
+                self._service.infer_now(model, request, context), request, headers
+            )
+        except Exception as exc:
+            status, payload, content_type, extra = _error_response(exc, method, path)
+        return status, payload, content_type, extra, None
+
+    def _decode(self, name: str, version: str, body: bytes, headers: dict[bytes, bytes]) -> InferenceRequest:
+        length = _header_length(headers, len(body))
+        return decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
+
 
     async def _read_body(self, source: BodySource, headers: dict[bytes, bytes]) -> bytes:
+        if isinstance(source, bytes):
+            return self._whole_body(source, headers)
+        return self._undo_codings(await _receive_body(source, headers, self._max_input_size), headers)
+
+    def _whole_body(self, body: bytes, headers: dict[bytes, bytes]) -> bytes:
+        """A body the native server read whole (it enforced the same limit), its content codings undone."""
+        if len(body) > self._max_input_size:
+            raise BodyTooLarge(_too_large(len(body), self._max_input_size))
+        return self._undo_codings(body, headers)
+
+    def _undo_codings(self, body: bytes, headers: dict[bytes, bytes]) -> bytes:
         limit = self._max_input_size
-        if isinstance(source, bytes):  # read whole by the native server, which enforced the same limit
-            body = source
-            if len(body) > limit:
-                raise BodyTooLarge(_too_large(len(body), limit))
-        else:
-            body = await _receive_body(source, headers, limit)
         encoding = headers.get(b"content-encoding")
         transfer = headers.get(b"transfer-encoding")
         if encoding or (transfer and transfer.strip().lower() != b"chunked"):
             for coding in reversed(_codings(encoding, transfer)):  # the last applied is the first undone
                 body = _decompress(body, coding, limit)
         return body
+
+
+def _error_response(exc: Exception, method: str, path: str) -> Response:
+    """A failed call's answer: a GeserveError by its code, anything else 500 (never taking the server down)."""
+    if isinstance(exc, GeserveError):
+        content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
+        extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
+        extra += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers]
+        return HTTP_STATUS[exc.code], _error_body(exc.message), content_type, extra
+    logger.error("unhandled error serving %s %s", method, path, exc_info=exc)
+    return 500, _error_body(f"internal error: {exc}"), _JSON, []
+
+
+def _infer_target(path: str) -> tuple[str, str] | None:
+    """(model, version) of /v2/models/{name}[/versions/{digits}]/infer; None for any other path."""
+    parts = path.split("/")
+    if len(parts) == 5 and parts[:3] == ["", "v2", "models"] and parts[3] and parts[4] == "infer":
+        return parts[3], ""
+    if len(parts) == 7 and parts[:3] == ["", "v2", "models"] and parts[3] and parts[4] == "versions" \
+            and parts[5].isdigit() and parts[6] == "infer":
+        return parts[3], parts[5]
+    return None
+
+
+def _infer_response(
+    response: InferenceResponse, request: InferenceRequest, headers: dict[bytes, bytes]
+) -> Response:
+    """A successful inference's HTTP answer: binary outputs after the JSON header, compressed if the client asks."""
+    parts, json_length = encode_infer_response(response, request)
+    payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+    extra = []
+    content_type = _JSON
+    if json_length is not None:
+        extra.append((b"inference-header-content-length", str(json_length).encode()))
+        content_type = _OCTETS
+    encoding = _response_encoding(headers.get(b"accept-encoding"))
+    if encoding is not None:
+        payload = gzip.compress(payload, 1) if encoding == b"gzip" else zlib.compress(payload, 1)
+        extra.append((b"content-encoding", encoding))
+    return 200, payload, content_type, extra
 
 
 class _HeaderView(Mapping[str, str]):

@@ -90,6 +90,13 @@ class DirectApp(Protocol):
         """(status, body, content type, more headers, a trace to mark "HTTP_SEND_START" and finish or None)."""
         ...
 
+    def respond_now(
+        self, method: str, path: str, headers: dict[bytes, bytes], source: bytes,
+        client: tuple[str, int] | None, extensions: dict[str, Any] | None,
+    ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any] | None:
+        """`respond` without awaiting, where the app can answer at once; None (having done nothing) elsewhere."""
+        ...
+
 
 class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing a request head over the limits (answered 431)."""
@@ -249,6 +256,8 @@ class _Connection(asyncio.Protocol):
         request, self._current = self._current, None
         if request is None or self._closing:
             return
+        if not self._pending and (self._worker is None or self._worker.done()) and self._answer_now(request):
+            return
         self._pending.append(request)
         ARRIVALS.in_transit += 1
         if self._idle:
@@ -321,16 +330,48 @@ class _Connection(asyncio.Protocol):
             return False
         return request.keep_alive and not response.close_requested
 
-    async def _respond(self, app: DirectApp, request: _Request, body: bytes) -> bool:
-        """`_run_app` for an app that answers without ASGI's messages: one call, and the response in one write."""
+    def _answer_now(self, request: _Request) -> bool:
+        """Answer a request the app answers at once (an inference its model runs on the loop: DirectApp.respond_now)
+        here, without a task; called only when no earlier request of this connection is owed an answer. False: the
+        request was left untouched, to be answered in its turn (`_answer_pending`)."""
+        app = self._server.direct
+        if app is None or request.too_large or request.rejection is not None:
+            return False
+        body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
+        request.body = [body]
         try:
-            status, payload, content_type, extra, trace = await app.respond(
+            answer = app.respond_now(
                 request.method, request.path, dict(request.headers), body, self._client, self._extensions
             )
         except Exception:
-            logger.exception("unhandled error in the HTTP application for %s %s", request.method, request.path)
-            _ResponseWriter(self._transport, request).write_whole(500, b'{"error":"internal server error"}')
+            self._fail(request)
+            return True
+        if answer is None:
             return False
+        if not self._send(request, answer) or self._server.stopping:
+            self._close()
+        return True
+
+    async def _respond(self, app: DirectApp, request: _Request, body: bytes) -> bool:
+        """`_run_app` for an app that answers without ASGI's messages: one call, and the response in one write."""
+        try:
+            answer = await app.respond(
+                request.method, request.path, dict(request.headers), body, self._client, self._extensions
+            )
+        except Exception:
+            self._fail(request)
+            return False
+        return self._send(request, answer)
+
+    def _fail(self, request: _Request) -> None:
+        """Answer 500 for a request the app raised on (a bug: logged), then close."""
+        logger.exception("unhandled error in the HTTP application for %s %s", request.method, request.path)
+        _ResponseWriter(self._transport, request).write_whole(500, b'{"error":"internal server error"}')
+        self._close()
+
+    def _send(self, request: _Request, answer: tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any]) -> bool:
+        """Write a DirectApp's answer in one write; whether the connection stays open."""
+        status, payload, content_type, extra, trace = answer
         close = not request.keep_alive
         head = _head(status, content_type, len(payload))
         for name, value in extra:
