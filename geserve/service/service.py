@@ -296,10 +296,13 @@ class InferenceService:
             return None
         return model
 
-    def infer_now(self, model: LoadedModel, request: InferenceRequest, context: CallContext) -> InferenceResponse:
-        """`infer` for a request of `model` from `model_now`, nothing awaited since: the same checks, statistics and
-        errors, without the coroutines and task hops."""
-        self._admit_inference(request, context, "infer")
+    def infer_now(
+        self, model: LoadedModel, request: InferenceRequest, context: CallContext, action: str = "infer"
+    ) -> InferenceResponse:
+        """`infer` (or `infer_stream`'s one response, `action` "infer_stream") for a request of `model` from
+        `model_now`, nothing awaited since: the same checks, statistics and errors, without the coroutines and task
+        hops."""
+        self._admit_inference(request, context, action)
         self._enter()
         try:
             started = time.monotonic_ns()

@@ -476,6 +476,20 @@ class GrpcH2Connection(asyncio.Protocol):
         self.last_ping, self.strikes = None, 0  # data sent: the client's next ping is welcome (grpc core)
         return True
 
+    def send_now(self, call: H2Call, payload: bytes) -> bool:
+        """One message in one frame, now, when the windows allow it (the common case); False: nothing was sent."""
+        if self.paused or call.done or len(payload) > self.max_send:
+            return False
+        conn = self.h2
+        frames = conn.fast_frames(call.stream_id, not call.headers_sent, PREFIX.pack(0, len(payload)) + payload, False)
+        if frames is None:
+            return False
+        call.headers_sent = True
+        self.last_ping, self.strikes = None, 0
+        pending = conn.data_to_send()
+        self._send(pending + frames if pending else frames)
+        return True
+
     async def send_message(self, call: H2Call, payload: bytes) -> None:
         """One message on the call's stream, split to the peer's frame size and windows, waiting for them to open."""
         size = len(payload)
@@ -483,18 +497,10 @@ class GrpcH2Connection(asyncio.Protocol):
             call.code, call.details = (grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        f"Sent message larger than max ({size} vs. {self.max_send})")
             raise grpc.aio.AbortError()
-        if call.done:
+        if call.done or self.send_now(call, payload):
             return
         conn, sid = self.h2, call.stream_id
         data = PREFIX.pack(0, size) + payload
-        if not self.paused:  # the common case: one frame the windows allow
-            frames = conn.fast_frames(sid, not call.headers_sent, data, False)
-            if frames is not None:
-                call.headers_sent = True
-                self.last_ping, self.strikes = None, 0
-                pending = conn.data_to_send()
-                self._send(pending + frames if pending else frames)
-                return
         if not call.headers_sent:
             call.headers_sent = True
             conn.send_headers(sid, _RESPONSE_HEADERS)

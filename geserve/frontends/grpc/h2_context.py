@@ -33,6 +33,8 @@ class Connection(Protocol):
 
     async def send_message(self, call: H2Call, payload: bytes) -> None: ...
 
+    def send_now(self, call: H2Call, payload: bytes) -> bool: ...
+
 
 class CallError(Exception):
     """A fault of the call's transport (an oversized message, an unknown compression): ends it with this status."""
@@ -196,6 +198,12 @@ class H2Call:
         """One response of a response-streaming call, sent as soon as the peer's window allows."""
         serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
         await self.connection.send_message(self, serialize(message))
+
+    def write_now(self, message: Any) -> bool:
+        """`write` without waiting, where the peer's windows let the message go out at once; False: nothing sent.
+        Only for a writer with nothing else under way on the call (its messages keep their order)."""
+        serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
+        return self.connection.send_now(self, serialize(message))
 
 
 def _identity(message: Any) -> Any:

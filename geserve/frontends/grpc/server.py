@@ -209,9 +209,38 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         strict = call.headers.get(STRICT_STREAM_HEADER) == "true"
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
+        write_now: Callable[[Any], bool] | None = getattr(context, "write_now", None)  # the native server's
+        writing = False  # the writer below is sending a message
+
+        def send(item: Any) -> None:
+            """A response out now when nothing is ahead of it and the windows allow, else to the writer."""
+            if write_now is None or writing or not queue.empty() or not write_now(item):
+                queue.put_nowait(item)
 
         def fault(error: GeserveError, request_id: str) -> None:
-            queue.put_nowait(error if strict else convert.to_stream_error(error, request_id))
+            if strict:
+                queue.put_nowait(error)  # the writer ends the stream with it
+            else:
+                send(convert.to_stream_error(error, request_id))
+
+        def answer_now(message: pb.ModelInferRequest) -> bool:
+            """A request its model answers at once (InferenceService.model_now) is answered here, without a task
+            or the stream generator; False: it was left alone."""
+            version = message.model_version
+            model = self._service.model_now(message.model_name, version) if not version or version.isdigit() else None
+            if model is None:
+                return False
+            request = self._decode(message).request
+            try:
+                response = self._service.infer_now(model, request, call, "infer_stream")
+            except GeserveError as exc:
+                fault(exc, message.id)
+            except Exception as exc:
+                logger.exception("unhandled error serving a streamed request")
+                fault(InternalError(f"internal error: {exc}"), message.id)
+            else:
+                send(convert.to_stream_response(response, request, True))
+            return True
 
         async def answer(message: pb.ModelInferRequest) -> None:
             decoded = self._decode(message)
@@ -221,10 +250,10 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if item.error is not None:
                         fault(item.error, message.id)
                     elif item.response is not None:
-                        queue.put_nowait(convert.to_stream_response(item.response, request, item.final))
+                        send(convert.to_stream_response(item.response, request, item.final))
                     elif decoded.empty_final:
                         empty = InferenceResponse(request.model_name, request.model_version, [], request.id)
-                        queue.put_nowait(convert.to_stream_response(empty, request))
+                        send(convert.to_stream_response(empty, request))
             except GeserveError as exc:
                 fault(exc, message.id)
             except Exception as exc:
@@ -236,6 +265,8 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 async for message in request_iterator:
                     if type(message) is convert.Unparsable:  # answered like any refused request; the stream goes on
                         fault(message.error(), "")
+                        continue
+                    if answer_now(message):
                         continue
                     task = asyncio.create_task(answer(message))
                     tasks.add(task)
@@ -250,7 +281,11 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             while (item := await queue.get()) is not _END:
                 if isinstance(item, GeserveError):
                     await context.abort(GRPC_STATUS[item.code], item.message)
-                await context.write(item)
+                writing = True
+                try:
+                    await context.write(item)
+                finally:
+                    writing = False
         finally:
             # The call is over (the client cancelled it, or it ended): the requests still under way are cancelled,
             # so queued ones leave their schedulers (counted CANCELED) instead of running for nobody.
