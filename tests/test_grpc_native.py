@@ -143,6 +143,47 @@ def test_a_stream_of_many_requests(native: RunningServer) -> None:
     assert sorted(asyncio.run(run()), key=int) == [str(i) for i in range(count)]
 
 
+def _stream_cases() -> list[pb.ModelInferRequest]:
+    """Requests a stream answers at once (the model runs on the loop) alongside ones it refuses, each in its way."""
+
+    def request(rid: str, model: str = "simple", shape: tuple[int, ...] = (1, 16), datatype: str = "INT32",
+                names: tuple[str, ...] = ("INPUT0", "INPUT1"), version: str = "") -> pb.ModelInferRequest:
+        message = pb.ModelInferRequest(model_name=model, model_version=version, id=rid)
+        for name in names:
+            message.inputs.add(name=name, datatype=datatype, shape=list(shape))
+            message.raw_input_contents.append(np.full(shape, int(rid[-1]), np.int32).tobytes())
+        return message
+
+    return [request("ok1"), request("shape2", shape=(1, 8)), request("ok3", version="1"),
+            request("missing4", names=("INPUT0",)), request("type5", datatype="FP32"), request("model6", model="nope"),
+            request("ok7")]
+
+
+def test_a_stream_answers_each_request_as_a_unary_call_does(native: RunningServer) -> None:
+    """Streamed requests, most answered as they are read, get what the same requests get as unary calls: the same
+    outputs, and each refusal's message in-band; the model counts each success once."""
+    cases = _stream_cases()
+    with grpc.insecure_channel(native.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        unary: dict[str, Any] = {}
+        for message in cases:
+            try:
+                response = stub.ModelInfer(message)
+                unary[message.id] = list(response.raw_output_contents)
+            except grpc.RpcError as exc:
+                unary[message.id] = exc.details()
+        before = stub.ModelStatistics(pb.ModelStatisticsRequest(name="simple")).model_stats[0].inference_count
+        streamed: dict[str, Any] = {}
+        for answer in stub.ModelStreamInfer(iter(cases)):
+            streamed[answer.infer_response.id or answer.error_message] = (
+                answer.error_message or list(answer.infer_response.raw_output_contents))
+        after = stub.ModelStatistics(pb.ModelStatisticsRequest(name="simple")).model_stats[0].inference_count
+    assert sorted(v for v in streamed.values() if isinstance(v, str)) == sorted(
+        v for v in unary.values() if isinstance(v, str))
+    assert [streamed[rid] for rid in ("ok1", "ok3", "ok7")] == [unary[rid] for rid in ("ok1", "ok3", "ok7")]
+    assert after - before == 3
+
+
 def health(channel: grpc.Channel) -> tuple[Any, Any]:
     coding = {"request_serializer": HealthCheckRequest.SerializeToString,
               "response_deserializer": HealthCheckResponse.FromString}

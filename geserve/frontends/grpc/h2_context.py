@@ -57,7 +57,8 @@ class H2Call:
     """The servicer context of one call, and the connection's record of it."""
 
     __slots__ = ("_metadata", "buffer", "code", "connection", "deadline", "details", "done", "encoding", "headers",
-                 "headers_sent", "inbox", "inbox_waiter", "method", "request", "request_ended", "reset", "stream_id",
+                 "headers_sent", "inbox", "inbox_waiter", "method", "on_message", "request", "request_ended", "reset",
+                 "stream_id",
                  "task", "unacked", "window_waiter")
 
     def __init__(self, connection: Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
@@ -72,6 +73,8 @@ class H2Call:
         self.buffer = b""  # bytes of a message not yet complete
         self.inbox: collections.deque[bytes] | None = None  # streamed requests: complete messages not yet read
         self.inbox_waiter: asyncio.Future[None] | None = None
+        # A streaming handler's way to take each request as it arrives (`answer_messages_now`), parsed.
+        self.on_message: Callable[[Any], bool] | None = None
         self.request: bytes | None = None  # a unary call's request message, until its stream ends
         self.unacked = 0  # flow-controlled bytes received but not yet handed back (a slow streaming reader)
         self.request_ended = False
@@ -121,8 +124,18 @@ class H2Call:
         return plain
 
     def deliver(self, messages: list[bytes], ended: bool) -> None:
-        """Streamed requests: queue what arrived for the handler's iterator and wake it."""
+        """Streamed requests: hand them to the handler's `on_message` while nothing waits ahead of them, queue the
+        rest for the handler's iterator and wake it."""
         assert self.inbox is not None
+        hook = self.on_message
+        if hook is not None and messages and not self.inbox:
+            parse: Callable[[bytes], Any] = self.method.request_deserializer or _identity
+            taken = 0
+            for message in messages:
+                if self.done or not hook(parse(message)):
+                    break
+                taken += 1
+            messages = messages[taken:]
         self.inbox.extend(messages)
         self.request_ended = self.request_ended or ended
         waiter = self.inbox_waiter
@@ -198,6 +211,13 @@ class H2Call:
         """One response of a response-streaming call, sent as soon as the peer's window allows."""
         serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
         await self.connection.send_message(self, serialize(message))
+
+    def answer_messages_now(self, hook: Callable[[Any], bool] | None) -> None:
+        """From now on, each request message that arrives while none waits to be read goes to `hook` first, parsed,
+        on the connection's callback: True when the hook answered it, False to leave it (and those after it) to
+        the handler's iterator, in order. For a handler that can answer some requests without awaiting; None when it
+        is done answering."""
+        self.on_message = hook
 
     def write_now(self, message: Any) -> bool:
         """`write` without waiting, where the peer's windows let the message go out at once; False: nothing sent.

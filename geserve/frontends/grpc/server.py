@@ -260,6 +260,10 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 logger.exception("unhandled error serving a streamed request")
                 fault(InternalError(f"internal error: {exc}"), message.id)
 
+        answer_messages_now = getattr(context, "answer_messages_now", None)  # the native server's, as they arrive
+        if answer_messages_now is not None:
+            answer_messages_now(lambda message: type(message) is not convert.Unparsable and answer_now(message))
+
         async def read() -> None:
             try:
                 async for message in request_iterator:
@@ -289,6 +293,8 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             # The call is over (the client cancelled it, or it ended): the requests still under way are cancelled,
             # so queued ones leave their schedulers (counted CANCELED) instead of running for nobody.
+            if answer_messages_now is not None:
+                answer_messages_now(None)
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
