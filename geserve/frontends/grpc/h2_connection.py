@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # generic in the stubs only
     Method: TypeAlias = grpc.RpcMethodHandler[Any, Any]
 else:
     Method = grpc.RpcMethodHandler
+# A unary method's handler that may answer without a task: the response message, an error status (code, details),
+# or None to be served by the method's own handler as usual.
+AnswerNow = Callable[[Any, Any], Any]  # (request, the call as its servicer context)
 Header = tuple[bytes, bytes]
 
 # What the client may send ahead of our acknowledgements: large, as grpc's BDP probing grows its windows, so that a
@@ -221,9 +224,11 @@ class GrpcH2Connection(asyncio.Protocol):
     """Reads frames into events, events into calls; each call's task writes its response as it completes."""
 
     def __init__(self, options: GrpcOptions, resolve: Callable[[bytes | None], Method | None],
-                 connections: set[GrpcH2Connection]) -> None:
+                 connections: set[GrpcH2Connection],
+                 answer_now: Callable[[bytes | None], AnswerNow | None] = lambda path: None) -> None:
         self.loop = asyncio.get_running_loop()
         self.resolve = resolve
+        self.answer_now = answer_now
         self.connections = connections
         self.max_receive = options.max_message_size
         self.max_send = options.max_message_size
@@ -354,6 +359,7 @@ class GrpcH2Connection(asyncio.Protocol):
             deadline = time.monotonic() + seconds
         call = H2Call(self, sid, method, headers, deadline, None if encoding == b"identity" else encoding)
         self.calls[sid] = call
+        call.now = self.answer_now(path)
         if method.request_streaming:
             call.inbox = collections.deque()
             call.task = self.loop.create_task(self._serve(call, call.requests()))
@@ -409,7 +415,24 @@ class GrpcH2Connection(asyncio.Protocol):
                        "Missing request message")
             return
         parse = call.method.request_deserializer
-        call.task = self.loop.create_task(self._serve(call, parse(message) if parse is not None else message))
+        request = parse(message) if parse is not None else message
+        if call.now is None or not self._answer_now(call, call.now, request):
+            call.task = self.loop.create_task(self._serve(call, request))
+
+    def _answer_now(self, call: H2Call, answer_now: AnswerNow, request: Any) -> bool:
+        """A unary call its handler answers without a task (AnswerNow), answered here; False: left to `_serve`."""
+        answer = answer_now(request, call)
+        if answer is None:
+            return False
+        if isinstance(answer, tuple):
+            self._finish(call, *answer)
+        else:
+            payload = call.method.response_serializer(answer) if call.method.response_serializer else answer
+            if not self._respond(call, payload):  # the windows are short: sent in parts, by a task
+                call.task = self.loop.create_task(self._serve_answer(call, payload))
+                return True
+        self._forget(call)
+        return True
 
     def _on_reset(self, sid: int) -> None:
         call = self.calls.pop(sid, None)
@@ -449,10 +472,26 @@ class GrpcH2Connection(asyncio.Protocol):
             logger.exception("grpc: unhandled error serving %s", getattr(method, "path", "a call"))
             self._finish(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
         finally:
-            if self.calls.get(call.stream_id) is call:
-                del self.calls[call.stream_id]
-            if self.closing and not self.calls:
-                self.close()
+            self._forget(call)
+
+    async def _serve_answer(self, call: H2Call, payload: bytes) -> None:
+        """A unary answer `_answer_now` could not send at once: sent as the windows open."""
+        try:
+            await self.send_message(call, payload)
+            self._finish(call, grpc.StatusCode.OK, "")
+        except asyncio.CancelledError:
+            if not call.reset:
+                self._finish(call, *_STATUS_SERVER_STOPPING)
+            raise
+        finally:
+            self._forget(call)
+
+    def _forget(self, call: H2Call) -> None:
+        """The call is over: the connection no longer tracks it (and closes once its last call ends, if closing)."""
+        if self.calls.get(call.stream_id) is call:
+            del self.calls[call.stream_id]
+        if self.closing and not self.calls:
+            self.close()
 
     def _respond(self, call: H2Call, payload: bytes) -> bool:
         """A unary response in one write (headers, message, trailers) when the peer's window has room for it;

@@ -57,8 +57,8 @@ class H2Call:
     """The servicer context of one call, and the connection's record of it."""
 
     __slots__ = ("_metadata", "buffer", "code", "connection", "deadline", "details", "done", "encoding", "headers",
-                 "headers_sent", "inbox", "inbox_waiter", "method", "on_message", "request", "request_ended", "reset",
-                 "stream_id",
+                 "headers_sent", "inbox", "inbox_waiter", "method", "now", "on_message", "request", "request_ended",
+                 "reset", "stream_id",
                  "task", "unacked", "window_waiter")
 
     def __init__(self, connection: Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
@@ -75,6 +75,7 @@ class H2Call:
         self.inbox_waiter: asyncio.Future[None] | None = None
         # A streaming handler's way to take each request as it arrives (`answer_messages_now`), parsed.
         self.on_message: Callable[[Any], bool] | None = None
+        self.now: Callable[[Any, H2Call], Any] | None = None  # the unary method's AnswerNow (h2_connection.py)
         self.request: bytes | None = None  # a unary call's request message, until its stream ends
         self.unacked = 0  # flow-controlled bytes received but not yet handed back (a slow streaming reader)
         self.request_ended = False

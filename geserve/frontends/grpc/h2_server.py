@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from geserve.frontends.grpc.h2_connection import GrpcH2Connection, Method
+from geserve.frontends.grpc.h2_connection import AnswerNow, GrpcH2Connection, Method
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.server import (
     GrpcInferenceServicer,
@@ -51,9 +51,14 @@ class MethodTable:
     """Method path -> its handler, asked of the generic handlers once per path and kept (unknown paths are not
     kept: a client could make up any number of them)."""
 
-    def __init__(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
+    def __init__(self, handlers: tuple[grpc.GenericRpcHandler, ...], now: dict[str, AnswerNow] | None = None) -> None:
+        """`now`: for some unary methods, a handler that may answer without a task (h2_connection.AnswerNow)."""
         self._handlers = handlers
         self._known: dict[bytes, Method] = {}
+        self._now = {path.encode("ascii"): handler for path, handler in (now or {}).items()}
+
+    def answer_now(self, path: bytes | None) -> AnswerNow | None:
+        return self._now.get(path) if path is not None else None
 
     def resolve(self, path: bytes | None) -> Method | None:
         method = self._known.get(path) if path is not None else None
@@ -98,12 +103,13 @@ class NativeGrpcServer:
     async def start(self) -> None:
         servicer = GrpcInferenceServicer(self._service)
         health = HealthService(lambda context: self._service.ready(call_context(context)))
-        methods = MethodTable((inference_handler(servicer), health.handler()))
+        methods = MethodTable((inference_handler(servicer), health.handler()),
+                              {"/inference.GRPCInferenceService/ModelInfer": servicer.infer_now})
         options, connections = self.options, self._connections
         loop = asyncio.get_running_loop()
 
         def connection() -> GrpcH2Connection:
-            return GrpcH2Connection(options, methods.resolve, connections)
+            return GrpcH2Connection(options, methods.resolve, connections, methods.answer_now)
 
         self._factory = connection
         if self._adopting:

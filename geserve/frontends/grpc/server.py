@@ -194,6 +194,30 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         trace.finish("GRPC_SEND_END")
         return message
 
+    def infer_now(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelInferResponse | tuple[grpc.StatusCode, str] | None:
+        """`ModelInfer` without a task, for a request its model answers at once (InferenceService.model_now): the
+        response, or the status of its refusal; None, having done nothing, for any other request (h2_connection's
+        AnswerNow)."""
+        version = request.model_version if type(request) is not convert.Unparsable else "?"
+        if version and not version.isdigit():
+            return None
+        model = self._service.model_now(request.model_name, version)
+        if model is None:
+            return None
+        call = call_context(context)
+        try:
+            self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)  # as `ModelInfer`
+            decoded = self._decode(request)
+            response = self._service.infer_now(model, decoded.request, call)
+            return convert.to_model_infer_response(response, decoded.request)
+        except GeserveError as exc:
+            return GRPC_STATUS[exc.code], exc.message
+        except Exception as exc:
+            logger.exception("unhandled error serving ModelInfer")
+            return grpc.StatusCode.INTERNAL, f"internal error: {exc}"
+
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
