@@ -159,6 +159,28 @@ def _stream_cases() -> list[pb.ModelInferRequest]:
             request("ok7")]
 
 
+def _unary_answers(url: str, cases: list[pb.ModelInferRequest]) -> list[Any]:
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        stub.ModelInfer(cases[0])  # a first run: the model's typical run time is known, it runs on the loop from here
+        answers: list[Any] = []
+        for message in cases:
+            try:
+                answers.append(list(stub.ModelInfer(message).raw_output_contents))
+            except grpc.RpcError as exc:
+                answers.append((exc.code(), exc.details()))
+        return answers
+
+
+def test_unary_calls_answered_in_the_callback_answer_as_grpcio_does(
+    native: RunningServer, grpcio: RunningServer
+) -> None:
+    """The native server answers a warm model's ModelInfer in its read callback (the servicer's infer_now); grpc.aio
+    runs the servicer's ModelInfer: successes and each kind of refusal come out the same."""
+    cases = _stream_cases()
+    assert _unary_answers(native.grpc_url, cases) == _unary_answers(grpcio.grpc_url, cases)
+
+
 def test_a_stream_answers_each_request_as_a_unary_call_does(native: RunningServer) -> None:
     """Streamed requests, most answered as they are read, get what the same requests get as unary calls: the same
     outputs, and each refusal's message in-band; the model counts each success once."""
