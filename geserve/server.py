@@ -213,8 +213,10 @@ class Server:
                 await frontend.start()
                 self._started.append(frontend)
             self._start_polling()
-            if all(frontend.reports_arrivals for frontend in self.frontends):
-                ARRIVALS.bounded()  # every request source is counted: batches may go early (geserve/arrivals.py)
+            # Every request source is counted: batches may go early (geserve/arrivals.py). A server without
+            # frontends is served by in-process callers, who report nothing: it stays open-ended.
+            if self.frontends and all(frontend.reports_arrivals for frontend in self.frontends):
+                ARRIVALS.bounded()
             if self.link is not None:
                 self.link.receive_connections(self._adopters)
                 self.link.serving()

@@ -75,6 +75,8 @@ EXTENSIONS = [
     "logging",
 ]
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
+# What `model_now` hands a frontend and `infer_now` takes back: frontends see models only through the service.
+ReadyModel = LoadedModel
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
 # How Triton refuses a decoupled model on a call that can carry one response only.
 _DECOUPLED_REFUSAL = {
@@ -285,7 +287,7 @@ class InferenceService:
         finally:
             self._leave()
 
-    def model_now(self, name: str, version: str = "") -> LoadedModel | None:
+    def model_now(self, name: str, version: str = "") -> ReadyModel | None:
         """The model, when its scheduler would run a request at once on the loop (a short model with a free instance,
         no batching, no response cache, no trace): `infer_now` then answers without awaiting. Else None."""
         try:
@@ -297,7 +299,7 @@ class InferenceService:
         return model
 
     def infer_now(
-        self, model: LoadedModel, request: InferenceRequest, context: CallContext, action: str = "infer"
+        self, model: ReadyModel, request: InferenceRequest, context: CallContext, action: str = "infer"
     ) -> InferenceResponse:
         """`infer` (or `infer_stream`'s one response, `action` "infer_stream") for a request of `model` from
         `model_now`, nothing awaited since: the same checks, statistics and errors, without the coroutines and task

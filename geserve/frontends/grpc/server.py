@@ -20,7 +20,7 @@ from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
 from geserve.frontends.tls import GrpcTls, TlsEndpoint, TlsFiles, grpc_peer_subject
 from geserve.service.context import ApiGroup, CallContext, Transport
-from geserve.service.service import InferenceService
+from geserve.service.service import InferenceService, ReadyModel
 from geserve.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -194,16 +194,23 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         trace.finish("GRPC_SEND_END")
         return message
 
+    def _model_now(self, message: pb.ModelInferRequest) -> ReadyModel | None:
+        """The model, when a request of it is answered without a task (InferenceService.model_now); None for any
+        other (an unparsable message, or a version that is no number, which `_decode` reports)."""
+        if type(message) is convert.Unparsable:
+            return None
+        version = message.model_version
+        if version and not version.isdigit():
+            return None
+        return self._service.model_now(message.model_name, version)
+
     def infer_now(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse | tuple[grpc.StatusCode, str] | None:
         """`ModelInfer` without a task, for a request its model answers at once (InferenceService.model_now): the
         response, or the status of its refusal; None, having done nothing, for any other request (h2_connection's
         AnswerNow)."""
-        version = request.model_version if type(request) is not convert.Unparsable else "?"
-        if version and not version.isdigit():
-            return None
-        model = self._service.model_now(request.model_name, version)
+        model = self._model_now(request)
         if model is None:
             return None
         call = call_context(context)
@@ -250,8 +257,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         def answer_now(message: pb.ModelInferRequest) -> bool:
             """A request its model answers at once (InferenceService.model_now) is answered here, without a task
             or the stream generator; False: it was left alone."""
-            version = message.model_version
-            model = self._service.model_now(message.model_name, version) if not version or version.isdigit() else None
+            model = self._model_now(message)
             if model is None:
                 return False
             request = self._decode(message).request
@@ -286,7 +292,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         answer_messages_now = getattr(context, "answer_messages_now", None)  # the native server's, as they arrive
         if answer_messages_now is not None:
-            answer_messages_now(lambda message: type(message) is not convert.Unparsable and answer_now(message))
+            answer_messages_now(answer_now)
 
         async def read() -> None:
             try:
