@@ -332,7 +332,6 @@ class HttpFrontend:
         length = _header_length(headers, len(body))
         return decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
 
-
     async def _read_body(self, source: BodySource, headers: dict[bytes, bytes]) -> bytes:
         if isinstance(source, bytes):
             return self._whole_body(source, headers)
