@@ -31,3 +31,26 @@ def test_in_process_inference_and_shutdown(good_repo: Path) -> None:
         assert not server.service.ready()
 
     asyncio.run(run())
+
+
+def test_a_server_without_frontends_keeps_batches_to_their_delay(
+    good_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process callers report no arrivals: a server with no frontend must not tell the batchers that no request
+    can come (early dispatch would send batches before their delay while callers can still add to them)."""
+    from geserve import server as server_module
+    from geserve.arrivals import Arrivals
+
+    arrivals = Arrivals()
+    monkeypatch.setattr(server_module, "ARRIVALS", arrivals)
+
+    async def run() -> None:
+        server = Server(ServerSettings(model_repositories=[good_repo], allow_http=False, allow_grpc=False,
+                                       allow_metrics=False))
+        await server.start()
+        try:
+            assert arrivals.open_ended == 1 and not arrivals.quiet(0)
+        finally:
+            await server.stop()
+
+    asyncio.run(run())
