@@ -71,7 +71,8 @@ class H2Call:
         self.encoding = encoding
         self.task: asyncio.Task[None] | None = None
         self.buffer = b""  # bytes of a message not yet complete
-        self.inbox: collections.deque[bytes] | None = None  # streamed requests: complete messages not yet read
+        # Streamed requests: complete messages not yet read (one `on_message` declined is kept parsed).
+        self.inbox: collections.deque[bytes | _Parsed] | None = None
         self.inbox_waiter: asyncio.Future[None] | None = None
         # A streaming handler's way to take each request as it arrives (`answer_messages_now`), parsed.
         self.on_message: Callable[[Any], bool] | None = None
@@ -133,9 +134,13 @@ class H2Call:
             parse: Callable[[bytes], Any] = self.method.request_deserializer or _identity
             taken = 0
             for message in messages:
-                if self.done or not hook(parse(message)):
+                if self.done:
                     break
+                parsed = parse(message)
                 taken += 1
+                if not hook(parsed):  # left to the iterator, parsed once; the ones after it wait behind it
+                    self.inbox.append(_Parsed(parsed))
+                    break
             messages = messages[taken:]
         self.inbox.extend(messages)
         self.request_ended = self.request_ended or ended
@@ -153,7 +158,7 @@ class H2Call:
                 message = inbox.popleft()
                 if self.unacked and len(inbox) < _INBOX_LIMIT:
                     self.connection.acknowledge(self)
-                yield parse(message)
+                yield message.value if isinstance(message, _Parsed) else parse(message)
             elif self.request_ended:
                 return
             else:
@@ -225,6 +230,15 @@ class H2Call:
         Only for a writer with nothing else under way on the call (its messages keep their order)."""
         serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
         return self.connection.send_now(self, serialize(message))
+
+
+class _Parsed:
+    """A request message already parsed (for `on_message`, which left it to the iterator)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def _identity(message: Any) -> Any:
