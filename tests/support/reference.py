@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import re
 import shutil
 import signal
@@ -345,10 +346,42 @@ def _triton_env() -> dict[str, str]:
     return env
 
 
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on, for a server a test starts, below the kernel's ephemeral range.
+
+    A port the kernel picks for a bind to port 0 is an ephemeral one: an outgoing connection (a client of another
+    test's server) may be given it as its local port before the server binds it, and the server then fails with
+    "address already in use". Ports below the range are never handed to outgoing connections. Each is handed out
+    once per test process, from a random start, so that two suites running side by side rarely probe the same ports.
+    """
+    low = _ephemeral_low()
+    span = low - _LOWEST_PORT
+    start = random.randrange(span)
+    for step in range(span):
+        port = _LOWEST_PORT + (start + step) % span
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))  # no SO_REUSEADDR: a port still in TIME_WAIT is skipped too
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port between {_LOWEST_PORT} and {low}")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default is 32768)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, _LOWEST_PORT + 1000)
 
 
 def start_reference_triton(
