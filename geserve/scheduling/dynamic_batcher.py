@@ -156,7 +156,7 @@ class DynamicBatcher(AnswersLater):
         self._settings = settings
         self._pool = pool
         self._queue = PriorityQueue(settings.priority_levels, settings.default_priority_level, settings.policies)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._arrived = _Wakeup(loop)
         # While the batcher waits out a batch's delay with `_wake_rows` rows still missing to its limit: the rows that
         # arrived since. Arrivals that cannot make the batch due let it sleep (`_need_wake`).
@@ -199,7 +199,7 @@ class DynamicBatcher(AnswersLater):
         now = time.monotonic_ns()
         level = self._queue.level_of(request.priority)
         timeout_us = self._queue.policy(level).timeout_us(request.timeout_us)
-        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[InferenceResponse] = self._loop.create_future()
         pending = Pending(request, future, now, now + timeout_us * 1000 if timeout_us else 0, self._sequence,
                           _shape_key(request))
         if self._can_bypass_queue():
@@ -281,7 +281,7 @@ class DynamicBatcher(AnswersLater):
                 if not batch:
                     self._pool.release(worker)
                     continue
-                task = asyncio.get_running_loop().create_task(self._dispatch(worker, batch))
+                task = self._loop.create_task(self._dispatch(worker, batch))
                 self._dispatches.add(task)
                 task.add_done_callback(self._dispatches.discard)
         except Exception as exc:  # a bug here must not leave callers waiting forever

@@ -128,6 +128,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body_size = 0
         self._worker: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._paused = False
         self._closing = False
         self._stopped_reading = False  # a rejection is owed: nothing more is parsed
@@ -267,7 +268,7 @@ class _Connection(asyncio.Protocol):
             self._transport.pause_reading()
             self._paused = True
         if self._worker is None or self._worker.done():
-            self._worker = asyncio.get_running_loop().create_task(self._answer_pending())
+            self._worker = self._loop.create_task(self._answer_pending())
 
     # ---- answering ------------------------------------------------------------------------------
 
