@@ -27,10 +27,10 @@ from geserve.types import InferenceRequest
 
 logger = logging.getLogger(__name__)
 
-READINESS_TIMEOUT_S = 5.0
+READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
 # Inline runs whose CPU time is taken (one in this many) to keep `_typical_ns` current: reading a thread's CPU time is
 # a system call (0.57 µs measured here), and an inline request took two.
-_SAMPLE_INLINE_EVERY = 8  # a model readiness check that takes longer answers "not ready"
+_SAMPLE_INLINE_EVERY = 8
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
 _Job = tuple[list[InferenceRequest], asyncio.Future[Execution], asyncio.AbstractEventLoop]
 
