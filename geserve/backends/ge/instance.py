@@ -92,12 +92,12 @@ class GeInstance(ModelInstance):
         fed = time.monotonic_ns()
         results = dict(zip(names, self._run(names, feed), strict=True))
         ran = time.monotonic_ns()
-        offsets = np.cumsum([0, *sizes])
         responses: Results = []
-        for index, request in enumerate(requests):
-            begin, end = int(offsets[index]), int(offsets[index + 1])
+        end = 0
+        for request, size in zip(requests, sizes, strict=True):  # Python ints: np.cumsum costs more for a few rows
+            begin, end = end, end + size
             wanted = _requested_names(request, self._layout.output_names)
-            outputs = [self._output(n, results[n][begin:end], end - begin) for n in wanted]
+            outputs = [self._output(n, results[n][begin:end], size) for n in wanted]
             responses.append(InferenceResponse(request.model_name, request.model_version, outputs, request.id))
         return Execution(responses, ComputeTimes(fed - start, ran - fed, time.monotonic_ns() - ran))
 
