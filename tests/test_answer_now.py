@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 
 from geserve import Server, ServerSettings
+from geserve.backends.base import Execution
 from geserve.frontends.http.app import HttpFrontend
 from geserve.scheduling.direct import DirectScheduler
 from geserve.scheduling.pool import InstancePool
 from geserve.statistics import ModelStatistics
+from geserve.types import InferenceRequest
 from tests.test_dynamic_batcher import RecordingInstance, request
 
 
@@ -136,5 +139,41 @@ def test_respond_now_answers_as_respond_does(good_repo: Path) -> None:
             assert json.loads(answer[1])["outputs"][0]["data"] == (2 * data).ravel().tolist()
         finally:
             await server.stop()
+
+    asyncio.run(main())
+
+
+class _BusyInstance(RecordingInstance):
+    """Burns `cpu_s` of CPU per batch (a busy loop: the pool judges runs by the thread's CPU time)."""
+
+    def __init__(self, cpu_s: float) -> None:
+        super().__init__()
+        self.cpu_s = cpu_s
+
+    def execute(self, requests: list[InferenceRequest]) -> Execution:
+        started = time.monotonic_ns()
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        return Execution.timed(super().execute(requests).results, started)
+
+
+def test_a_model_that_turns_slow_on_the_loop_moves_to_its_thread_within_a_few_runs() -> None:
+    """Inline runs are timed one in eight (a thread's CPU time is a system call), but after a run longer than the
+    inline limit the next is timed too: a model whose runs grew to 3 ms leaves the loop (1 ms limit) within 16 runs,
+    where one sample in eight would have taken about 40."""
+    slow = _BusyInstance(0.003)
+
+    async def main() -> None:
+        pool = InstancePool("m", [slow], ModelStatistics(), inline_below_us=1000)
+        pool._typical_ns = 600_000  # it used to take 0.6 ms
+        scheduler = DirectScheduler(pool)
+        runs = 0
+        while scheduler.ready_now() and runs < 16:
+            scheduler.answer_now(request(f"r{runs}"))
+            runs += 1
+        assert not pool.runs_now, f"still on the loop after {runs} runs ({pool._typical_ns / 1e3:.0f} µs typical)"
+        assert (await scheduler.enqueue(request("later"))).id == "later"  # served on its thread now
+        await scheduler.stop()
 
     asyncio.run(main())

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "not ready"
 # Inline runs whose CPU time is taken (one in this many) to keep `_typical_ns` current: reading a thread's CPU time is
-# a system call (0.57 µs measured here), and an inline request took two.
+# a system call (0.57 µs measured here), and an inline request took two. After a run that took longer than the inline
+# limit on the wall clock, the next one is sampled too.
 _SAMPLE_INLINE_EVERY = 8
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
 _Job = tuple[list[InferenceRequest], asyncio.Future[Execution], asyncio.AbstractEventLoop]
@@ -94,6 +95,7 @@ class InstancePool:
         # CPU, not wall time: a run that a busy machine preempted is no reason to pay thread hand-offs after it.
         self._typical_ns = 0
         self._inline_runs = 0
+        self._sample_next = False
         # Batches still running whose caller was cancelled: how each is counted once it finishes (`_finish`).
         self._orphans: dict[asyncio.Future[Execution], Callable[[Execution], Results]] = {}
         self.inline_below_ns = inline_below_us * 1000
@@ -167,12 +169,17 @@ class InstancePool:
     def _run_inline(self, worker: Worker, requests: list[InferenceRequest]) -> Execution:
         """Shorter than a thread hand-off costs under the GIL: run it here, the loop stalls less than that."""
         self._inline_runs += 1
-        if self._inline_runs % _SAMPLE_INLINE_EVERY:
+        if self._inline_runs % _SAMPLE_INLINE_EVERY and not self._sample_next:
             outcome = _execute(worker.instance, requests)
+            if not isinstance(outcome, BaseException):
+                compute = outcome.compute
+                # Longer than the limit on the wall clock (slower, or preempted): the next run's CPU time is taken.
+                self._sample_next = compute.input_ns + compute.infer_ns + compute.output_ns > self.inline_below_ns
         else:
             cpu_started = time.thread_time_ns()
             outcome = _execute(worker.instance, requests)
             self._note(time.thread_time_ns() - cpu_started)
+            self._sample_next = False
         self.release(worker)
         if isinstance(outcome, BaseException):
             raise outcome
@@ -270,8 +277,8 @@ class InstancePool:
         typical = self._typical_ns
         # A sample counts for at most twice the typical run: on a VM, time the hypervisor took from the vCPU still
         # reads as the thread's CPU time, and a few such runs must not send the next ones through thread hand-offs
-        # (which cost more CPU). A model that really got slower doubles the average within about six samples (inline
-        # runs are sampled: about 48 runs).
+        # (which cost more CPU). A model that really got slower doubles the average within about six samples: inline
+        # runs are sampled one in eight, and every other run while they take longer than the limit (`_run_inline`).
         self._typical_ns = cpu_ns if not typical else (7 * typical + min(cpu_ns, 2 * typical)) // 8
 
     def _finish(
