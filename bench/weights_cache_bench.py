@@ -4,7 +4,7 @@ weights, one intra-op thread) after a gap, as each worker's batches come every 2
 Cells: back to back; after a sleep of 0.2, 1 and 5 ms; after 1 ms of a busy loop (the core never idles, so idle
 states are not the cause); after touching 8 MB of other memory; and two processes running at once with 1 ms gaps,
 each with its own session ("private", as two workers are) or sharing one session's pages (made before `fork`). Reports
-the thread's CPU per run, medians over alternating rounds. Writes bench/results/weights_cache.md.
+the thread's CPU per run, medians over the rounds. Writes bench/results/weights_cache.md.
 
 Usage: .venv/bin/python bench/weights_cache_bench.py [--rounds N] [--runs N]
 """
