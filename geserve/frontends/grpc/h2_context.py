@@ -28,6 +28,7 @@ class Connection(Protocol):
 
     max_receive: int
     peer: str
+    loop: asyncio.AbstractEventLoop
 
     def acknowledge(self, call: H2Call) -> None: ...
 
@@ -145,7 +146,8 @@ class H2Call:
         self.inbox.extend(messages)
         self.request_ended = self.request_ended or ended
         waiter = self.inbox_waiter
-        if waiter is not None and not waiter.done():
+        # Woken only for something to read: messages the hook took would wake the iterator for nothing, every time.
+        if waiter is not None and not waiter.done() and (self.inbox or self.request_ended):
             waiter.set_result(None)
 
     async def requests(self) -> AsyncIterator[Any]:
@@ -162,7 +164,7 @@ class H2Call:
             elif self.request_ended:
                 return
             else:
-                self.inbox_waiter = asyncio.get_running_loop().create_future()
+                self.inbox_waiter = self.connection.loop.create_future()
                 await self.inbox_waiter
                 self.inbox_waiter = None
 
