@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.reference import free_port
+from tests.support.reference import RAY_WORKER_PORTS, free_port
 
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
@@ -69,16 +69,12 @@ def _node_ports(worker_low: int) -> list[str]:
 
 
 def _worker_ports(nodes: int) -> int:
-    """The first of `nodes` adjacent worker ranges, below the kernel's ephemeral ports. Every other port of the
-    cluster is a free ephemeral one (free_port): a range among those collided with one in CI ("worker_ports is
-    trying to use a port number that is used by other components") and the node did not start."""
-    try:
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default
+    """The first of `nodes` adjacent worker ranges, within RAY_WORKER_PORTS. Every other port of the cluster is a
+    free_port(), which never hands out one of those: a node port inside a worker range ("worker_ports is trying to
+    use a port number that is used by other components") stops the node from starting."""
     span = nodes * _WORKER_PORTS
-    room = max(1, ephemeral_low - 10000 - span)
-    return 10000 + free_port() % room  # random within the room: clusters of parallel runs rarely meet
+    room = max(1, len(RAY_WORKER_PORTS) - span)
+    return RAY_WORKER_PORTS.start + free_port() % room  # random within the room: parallel runs rarely meet
 
 
 def _start_node(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:

@@ -346,12 +346,16 @@ def _triton_env() -> dict[str, str]:
     return env
 
 
-_LOWEST_PORT = 10000
+# Ports 10000-19999 are left to Ray's worker port ranges (tests/support/ray_cluster.py; Ray's own default range is
+# 10002-19999): Ray refuses to start a node whose other ports fall in its worker range.
+RAY_WORKER_PORTS = range(10000, 20000)
+_LOWEST_PORT = RAY_WORKER_PORTS.stop
 _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port nothing listens on, for a server a test starts, below the kernel's ephemeral range.
+    """A port nothing listens on, for a server a test starts: below the kernel's ephemeral range, above the ports
+    left to Ray's worker ranges (RAY_WORKER_PORTS).
 
     A port the kernel picks for a bind to port 0 is an ephemeral one: an outgoing connection (a client of another
     test's server) may be given it as its local port before the server binds it, and the server then fails with
