@@ -74,9 +74,9 @@ EXTENSIONS = [
     "trace",
     "logging",
 ]
-# What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 # What `model_now` hands a frontend and `infer_now` takes back: frontends see models only through the service.
 ReadyModel = LoadedModel
+# What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
 # How Triton refuses a decoupled model on a call that can carry one response only.
 _DECOUPLED_REFUSAL = {
