@@ -3,8 +3,10 @@ weights, one intra-op thread) after a gap, as each worker's batches come every 2
 
 Cells: back to back; after a sleep of 0.2, 1 and 5 ms; after 1 ms of a busy loop (the core never idles, so idle
 states are not the cause); after touching 8 MB of other memory; and two processes running at once with 1 ms gaps,
-each with its own session ("private", as two workers are) or sharing one session's pages (made before `fork`). Reports
-the thread's CPU per run, medians over the rounds. Writes bench/results/weights_cache.md.
+each with its own session ("private", as two workers had before `share_weights`), sharing one session's pages (made
+before `fork`), or each with its own session of the graph whose prepacked weights both map from one file (what
+geserve's workers do: geserve/backends/ge/shared_weights.py). Reports the thread's CPU per run, medians over the
+rounds. Writes bench/results/weights_cache.md.
 
 Usage: .venv/bin/python bench/weights_cache_bench.py [--rounds N] [--runs N]
 """
@@ -17,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,13 +33,20 @@ BATCH = 8
 WARM_RUNS = 30
 
 
-def _session() -> Any:
+def _options() -> Any:
     import onnxruntime as ort  # here, not at the top: "private" children fork before either imports it
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(MODEL), options, providers=["CPUExecutionProvider"])
+    options.log_severity_level = 3
+    return options
+
+
+def _session(graph: Path = MODEL) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(graph), _options(), providers=["CPUExecutionProvider"])
 
 
 def _busy(seconds: float) -> None:
@@ -76,12 +86,12 @@ def single_cells(runs: int) -> dict[str, float]:
     return {label: cpu_per_run(session, between, runs) for label, between in gaps}
 
 
-def child(mode: str, runs: int) -> None:
+def child(mode: str, runs: int, graph: Path) -> None:
     """Two processes with 1 ms gaps; prints each one's CPU per run as JSON lines."""
     session = _session() if mode == "shared" else None
     pid = os.fork()
     if session is None:
-        session = _session()
+        session = _session(graph)
     cost = cpu_per_run(session, lambda: time.sleep(0.001), runs)
     print(json.dumps(cost), flush=True)
     if pid:
@@ -90,9 +100,9 @@ def child(mode: str, runs: int) -> None:
         os._exit(0)
 
 
-def pair_cell(mode: str, runs: int) -> float:
+def pair_cell(mode: str, runs: int, graph: Path = MODEL) -> float:
     """Mean of the two processes' CPU per run."""
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--runs", str(runs)],
+    out = subprocess.run([sys.executable, __file__, "--child", mode, "--runs", str(runs), "--graph", str(graph)],
                          capture_output=True, text=True, check=True).stdout
     costs = [json.loads(line) for line in out.splitlines() if line.strip()]
     return statistics.fmean(costs)
@@ -118,17 +128,26 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=400)
     parser.add_argument("--child", choices=("shared", "private"), help=argparse.SUPPRESS)
+    parser.add_argument("--graph", type=Path, default=MODEL, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.runs)
+        child(args.child, args.runs, args.graph)
         return 0
+    from geserve.backends.ge.shared_weights import packed_graph
+
     cells: dict[str, list[float]] = {}
+    scratch = tempfile.TemporaryDirectory(prefix="weights-cache-")
+    mapped = packed_graph(MODEL, "bench", _options, Path(scratch.name))
+    assert mapped is not None
     for _ in range(args.rounds):
         for label, cost in single_cells(args.runs).items():
             cells.setdefault(label, []).append(cost)
         for mode, label in (("private", "two processes, 1 ms gaps, a session each"),
                             ("shared", "two processes, 1 ms gaps, one session's pages (forked)")):
             cells.setdefault(label, []).append(pair_cell(mode, args.runs))
+        label = "two processes, 1 ms gaps, a session each, prepacked weights mapped from one file"
+        cells.setdefault(label, []).append(pair_cell("private", args.runs, mapped))
+    scratch.cleanup()
     text = report(cells, args.rounds, args.runs)
     print(text)
     (ROOT / "bench" / "results" / "weights_cache.md").write_text(text)

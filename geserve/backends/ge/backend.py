@@ -17,6 +17,9 @@ from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.offline import auto_complete_om, create_om_instances, find_offline_model, is_offline_model
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
 from geserve.backends.ge.providers import configured_accelerator, provider_options
+from geserve.backends.ge.shared_weights import fingerprint, packed_graph
+from geserve.compiler.options import file_hash
+from geserve.compiler.package import read_manifest
 from geserve.config import ModelConfig
 from geserve.config.sequence import sequence_inputs, sequence_outputs
 from geserve.devices.cann import gears_from_ge
@@ -100,6 +103,7 @@ class GeBackend:
         threads = options.intra_op_threads or devices.threads_per_instance(len(placements))
         by_family: dict[str, dict[str, dict[str, str]]] = {}  # provider options, built once per family
         instances: list[GeInstance] = []
+        shared: Path | bytes | None = None  # what the CPU sessions load
         for placement in placements:
             family = accelerator_of(placement.kind, accelerator(placement.kind))
             if family not in by_family:
@@ -109,7 +113,10 @@ class GeBackend:
             target = devices.resolve_target(
                 placement.kind, placement.device_id, accelerator(placement.kind), by_family[family]
             )
-            session = _create_session(path, graph, config, options, target, threads, source)
+            if family == "cpu" and shared is None:
+                shared = _shared_graph(path, graph, config, options, source) or graph
+            session = _create_session(path, shared if family == "cpu" else graph, config, options, target,
+                                      threads, source)
             instances.append(GeInstance(placement.name, session, layout, target.device))
         logger.info(
             "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
@@ -206,36 +213,15 @@ def _tensor_layout(
     return TensorLayout(tensor.name, wire, config_dims, graph_dims)
 
 
-def _create_session(
-    path: Path,
-    graph: Path | bytes,
-    config: ModelConfig,
-    options: GeOptions,
-    target: devices.ExecutionTarget,
-    threads: int,
-    source: ModelSource,
-) -> ort.InferenceSession:
+def _graph_options(config: ModelConfig, options: GeOptions, source: ModelSource) -> ort.SessionOptions:
+    """The session options that shape the optimized graph: its optimization level, the `ort.*` entries and the
+    custom-op libraries (shared_weights.py saves a graph made with these)."""
     session_options = ort.SessionOptions()
-    session_options.intra_op_num_threads = threads
-    session_options.inter_op_num_threads = options.inter_op_threads or 1
-    session_options.execution_mode = (
-        ort.ExecutionMode.ORT_SEQUENTIAL if options.sequential_execution else ort.ExecutionMode.ORT_PARALLEL
-    )
     level = config.optimization.graph.level if config.HasField("optimization") else 0
     session_options.graph_optimization_level = _OPTIMIZATION_LEVELS.get(
         level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     )
-    session_options.enable_cpu_mem_arena = options.enable_mem_arena
-    session_options.enable_mem_pattern = options.enable_mem_pattern
     session_options.log_severity_level = 3
-    dump_dir = Path(tempfile.gettempdir()) / "geserve_dump" / config.name / str(source.version)
-    if options.dump_graph:
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        session_options.optimized_model_filepath = str(dump_dir / "optimized.onnx")
-    if options.profiling:
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        session_options.enable_profiling = True
-        session_options.profile_file_prefix = str(dump_dir / "profile")
     # Idle intra-op threads spinning for work steal the cores the event loop and other instances need:
     # on 2 cores it doubled the CPU per request of a small model. A model may turn it back on.
     entries = {"session.intra_op.allow_spinning": "0", **options.ort_config_entries}
@@ -257,6 +243,53 @@ def _create_session(
                 f"model '{config.name}': cannot register custom operator library {library_path}: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
+    return session_options
+
+
+def _shared_graph(
+    path: Path, graph: Path | bytes, config: ModelConfig, options: GeOptions, source: ModelSource
+) -> Path | None:
+    """The graph whose prepacked weights every CPU session of this model maps, in every worker (shared_weights.py);
+    None with `share_weights: false` or for an encrypted model."""
+    if not options.share_weights:
+        return None
+    if isinstance(graph, bytes) and read_manifest(path).encrypted:
+        return None  # the packed copy would hold the weights in the clear
+    level = config.optimization.graph.level if config.HasField("optimization") else 0
+    shape = fingerprint(level, sorted(options.ort_config_entries.items()),
+                        [file_hash(source.model_dir / library) for library in options.custom_ops])
+    packed = packed_graph(graph, shape, lambda: _graph_options(config, options, source))
+    if packed is not None:
+        logger.info("model '%s' version %d: CPU sessions map the prepacked weights of %s", config.name,
+                    source.version, packed)
+    return packed
+
+
+def _create_session(
+    path: Path,
+    graph: Path | bytes,
+    config: ModelConfig,
+    options: GeOptions,
+    target: devices.ExecutionTarget,
+    threads: int,
+    source: ModelSource,
+) -> ort.InferenceSession:
+    session_options = _graph_options(config, options, source)
+    session_options.intra_op_num_threads = threads
+    session_options.inter_op_num_threads = options.inter_op_threads or 1
+    session_options.execution_mode = (
+        ort.ExecutionMode.ORT_SEQUENTIAL if options.sequential_execution else ort.ExecutionMode.ORT_PARALLEL
+    )
+    session_options.enable_cpu_mem_arena = options.enable_mem_arena
+    session_options.enable_mem_pattern = options.enable_mem_pattern
+    dump_dir = Path(tempfile.gettempdir()) / "geserve_dump" / config.name / str(source.version)
+    if options.dump_graph:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        session_options.optimized_model_filepath = str(dump_dir / "optimized.onnx")
+    if options.profiling:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        session_options.enable_profiling = True
+        session_options.profile_file_prefix = str(dump_dir / "profile")
     try:
         session = ort.InferenceSession(
             graph if isinstance(graph, bytes) else str(graph),

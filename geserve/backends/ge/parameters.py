@@ -47,6 +47,7 @@ class GeOptions:
     ge_options: dict[str, str] = field(default_factory=dict)
     ort_config_entries: dict[str, str] = field(default_factory=dict)
     custom_ops: list[str] = field(default_factory=list)  # custom-op libraries (.so), relative to the model dir
+    share_weights: bool = True  # CPU sessions map one file of prepacked weights (shared_weights.py)
     # Execution-provider parameters (CUDA's in Triton's names, CANN's), read by geserve.devices for their targets.
     device_parameters: dict[str, str] = field(default_factory=dict)
     # Unknown parameters of a Triton ONNX Runtime model, left out as Triton does (the GE dialects refuse them).
@@ -109,6 +110,7 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
     "execution_mode": _set_execution_mode,
     "enable_mem_arena": lambda o, k, v: setattr(o, "enable_mem_arena", _as_bool(k, v)),
     "enable_mem_pattern": lambda o, k, v: setattr(o, "enable_mem_pattern", _as_bool(k, v)),
+    "share_weights": lambda o, k, v: setattr(o, "share_weights", _as_bool(k, v)),
     "custom_ops": lambda o, k, v: o.custom_ops.__setitem__(slice(None), [p.strip() for p in v.split(",") if p.strip()]),
 }
 
