@@ -1,5 +1,5 @@
 """Memory and start time of a server whose CPU sessions map one file of prepacked weights (`share_weights`, the
-default with several workers or instances) against sessions that each keep a private copy.
+default) against sessions that each keep a private copy.
 
 Serves resnet50, minilm and mlp from examples/ with 1, 2 and 4 workers, each cell with `share_weights` true and
 false, after one request to every model. Memory is the whole process tree's proportional set size (PSS: a page
