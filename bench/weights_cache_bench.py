@@ -137,7 +137,7 @@ def main() -> int:
 
     cells: dict[str, list[float]] = {}
     scratch = tempfile.TemporaryDirectory(prefix="weights-cache-")
-    mapped = packed_graph(MODEL, "bench", _options, Path(scratch.name))
+    mapped = packed_graph(MODEL, MODEL, "bench", _options, Path(scratch.name))
     assert mapped is not None
     for _ in range(args.rounds):
         for label, cost in single_cells(args.runs).items():

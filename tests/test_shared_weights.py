@@ -45,25 +45,32 @@ def _rows(count: int) -> np.ndarray:
 
 
 def test_a_packed_graph_answers_alike_and_is_packed_once(mlp: Path, tmp_path: Path) -> None:
-    packed = packed_graph(mlp, "level 0", _options, tmp_path)
+    packed = packed_graph(mlp, mlp, "level 0", _options, tmp_path)
     assert packed is not None and packed.name == PACKED_MODEL
     data = packed.parent / PACKED_DATA
     assert data.stat().st_size > mlp.stat().st_size  # the prepacked weights are in it, beside the plain ones
     written = data.stat().st_mtime_ns
-    assert packed_graph(mlp, "level 0", _options, tmp_path) == packed and data.stat().st_mtime_ns == written
+    assert packed_graph(mlp, mlp, "level 0", _options, tmp_path) == packed and data.stat().st_mtime_ns == written
     np.testing.assert_array_equal(_run(packed, _rows(8)), _run(mlp, _rows(8)))
-    assert packed_graph(mlp, "level 1", _options, tmp_path) != packed  # other graph-shaping options: another entry
+    assert packed_graph(mlp, mlp, "level 1", _options, tmp_path) != packed  # other graph-shaping options: another entry
     assert not list((tmp_path / "weights").glob("*.partial"))
 
 
-def test_a_model_rewritten_in_place_is_packed_again(mlp: Path, tmp_path: Path) -> None:
+def test_a_model_rewritten_in_place_is_packed_again_and_stale_entries_go(mlp: Path, tmp_path: Path) -> None:
     model = tmp_path / "model" / "model.onnx"
     model.parent.mkdir()
     shutil.copy(mlp, model)
-    first = packed_graph(model, "", _options, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    first = packed_graph(model, model, "", _options, cache)
+    kept = packed_graph(mlp, mlp, "", _options, cache)
     shutil.copy(mlp, model)  # same bytes and size; a new change time
-    second = packed_graph(model, "", _options, tmp_path / "cache")
-    assert first is not None and second is not None and first != second
+    second = packed_graph(model, model, "", _options, cache)
+    assert first is not None and second is not None and kept is not None and first != second
+    assert not first.parent.exists() and kept.is_file()  # the entry of the file as it was is gone; others stay
+    shutil.rmtree(model.parent)
+    packed_graph(mlp, mlp, "other", _options, cache)
+    assert not second.parent.exists() and kept.is_file()
+    assert (cache / "weights").stat().st_mode & 0o077 == 0  # the weights are the model owner's alone
 
 
 def _infer(server: RunningServer, model: str, rows: np.ndarray) -> np.ndarray:

@@ -17,8 +17,7 @@ from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.offline import auto_complete_om, create_om_instances, find_offline_model, is_offline_model
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
 from geserve.backends.ge.providers import configured_accelerator, provider_options
-from geserve.backends.ge.shared_weights import fingerprint, packed_graph
-from geserve.compiler.options import file_hash
+from geserve.backends.ge.shared_weights import file_identity, fingerprint, packed_graph
 from geserve.compiler.package import read_manifest
 from geserve.config import ModelConfig
 from geserve.config.sequence import sequence_inputs, sequence_outputs
@@ -257,8 +256,8 @@ def _shared_graph(
         return None  # the packed copy would hold the weights in the clear
     level = config.optimization.graph.level if config.HasField("optimization") else 0
     shape = fingerprint(level, sorted(options.ort_config_entries.items()),
-                        [file_hash(source.model_dir / library) for library in options.custom_ops])
-    packed = packed_graph(graph, shape, lambda: _graph_options(config, options, source))
+                        [file_identity(source.model_dir / library) for library in options.custom_ops])
+    packed = packed_graph(path, graph, shape, lambda: _graph_options(config, options, source))
     if packed is not None:
         logger.info("model '%s' version %d: CPU sessions map the prepacked weights of %s", config.name,
                     source.version, packed)
