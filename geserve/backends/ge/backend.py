@@ -102,7 +102,7 @@ class GeBackend:
         threads = options.intra_op_threads or devices.threads_per_instance(len(placements))
         by_family: dict[str, dict[str, dict[str, str]]] = {}  # provider options, built once per family
         instances: list[GeInstance] = []
-        shared: Path | bytes | None = None  # what the CPU sessions load
+        on_cpu: Path | bytes | None = None  # what the CPU sessions load: the shared graph, or the model's own
         for placement in placements:
             family = accelerator_of(placement.kind, accelerator(placement.kind))
             if family not in by_family:
@@ -112,10 +112,12 @@ class GeBackend:
             target = devices.resolve_target(
                 placement.kind, placement.device_id, accelerator(placement.kind), by_family[family]
             )
-            if family == "cpu" and shared is None:
-                shared = _shared_graph(path, graph, config, options, source) or graph
-            session = _create_session(path, shared if family == "cpu" else graph, config, options, target,
-                                      threads, source)
+            loaded = graph
+            if family == "cpu":
+                if on_cpu is None:
+                    on_cpu = _shared_graph(path, graph, config, options, source) or graph
+                loaded = on_cpu
+            session = _create_session(path, loaded, config, options, target, threads, source)
             instances.append(GeInstance(placement.name, session, layout, target.device))
         logger.info(
             "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
