@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import tritonclient.http as httpclient
+from tritonclient.grpc import model_config_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,11 +80,9 @@ def one_request_each(url: str) -> None:
         client.close()
 
 
-def random_inputs_fixed(config) -> dict:  # type: ignore[no-untyped-def]
+def random_inputs_fixed(config: model_config_pb2.ModelConfig) -> dict[str, np.ndarray]:
     """minilm's token dims are variable: 16 tokens of id 1; the others as harness.random_inputs makes them."""
     if config.name == "minilm":
-        import numpy as np
-
         return {tensor.name: np.ones((1, 16), dtype=np.int64) for tensor in config.input}
     return random_inputs(config, 1)
 
