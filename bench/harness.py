@@ -257,17 +257,22 @@ def wait_for_quiet(max_wait_s: float) -> bool:
     return machine_quiet(BUSY_LIMIT, max_wait_s)
 
 
+def link_model_files(model: str, folder: Path) -> Path:
+    """`folder`, made to hold an example model's files (symlinks), all but its config: the caller writes its own."""
+    folder.mkdir(parents=True)
+    for item in (EXAMPLES / model).iterdir():
+        if item.name not in ("config.pbtxt", ".stamp"):
+            (folder / item.name).symlink_to(item, target_is_directory=item.is_dir())
+    return folder
+
+
 def model_repository(models: list[str], dest: Path, delay_us: int = 0) -> Path:
     """The benchmarked models as configured (symlinks), and each again with dynamic batching turned on (with a
     `max_queue_delay_microseconds` of `delay_us`)."""
     dest.mkdir(parents=True, exist_ok=True)
     for model in models:
         (dest / model).symlink_to(EXAMPLES / model, target_is_directory=True)
-        batched = dest / (model + DB_SUFFIX)
-        batched.mkdir()
-        for item in (EXAMPLES / model).iterdir():
-            if item.name not in ("config.pbtxt", ".stamp"):
-                (batched / item.name).symlink_to(item, target_is_directory=item.is_dir())
+        batched = link_model_files(model, dest / (model + DB_SUFFIX))
         config = load_config(EXAMPLES / model)
         config.name = model + DB_SUFFIX
         config.dynamic_batching.SetInParent()

@@ -25,7 +25,7 @@ from tritonclient.grpc import model_config_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import EXAMPLES, RESULTS, load_config, random_inputs
+from bench.harness import EXAMPLES, RESULTS, link_model_files, load_config, random_inputs
 from tests.support.server import geserve
 
 MODELS = ("resnet50", "minilm", "mlp")
@@ -35,11 +35,7 @@ MIB = 1 << 20
 def repository(dest: Path, share: bool) -> Path:
     """The models as in examples/, each with `share_weights` set."""
     for model in MODELS:
-        folder = dest / model
-        folder.mkdir(parents=True)
-        for item in (EXAMPLES / model).iterdir():
-            if item.name not in ("config.pbtxt", ".stamp"):
-                (folder / item.name).symlink_to(item, target_is_directory=item.is_dir())
+        folder = link_model_files(model, dest / model)
         text = (EXAMPLES / model / "config.pbtxt").read_text()
         value = "true" if share else "false"
         (folder / "config.pbtxt").write_text(

@@ -116,8 +116,7 @@ def test_every_worker_maps_the_same_prepacked_weights(
         expected = _run(mlp, rows)
         for model in ("mlp", "mlp_private"):
             np.testing.assert_allclose(_infer(server, model, rows), expected, rtol=1e-5, atol=1e-6)
-        workers = [int(pid) for pid in Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
-                   .read_text().split()]
+        workers = server.children()
         assert len(workers) == 2
         entries = list((cache / "weights").glob(f"*/{PACKED_DATA}"))
         assert len(entries) == 1  # mlp's; mlp_private keeps its copy on the heap

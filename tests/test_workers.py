@@ -37,12 +37,6 @@ from tests.support.shm import Region
 ROUNDS = 24  # new connections per check: the chance that all land on one of two workers is 2 * 2**-24
 
 
-def workers_of(server: RunningServer) -> list[int]:
-    pid = server.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(child) for child in children]
-
-
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
@@ -59,7 +53,7 @@ def http_connections(server: RunningServer, port: int | None = None) -> list[int
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
                 established.add(fields[9])
     counts = []
-    for pid in workers_of(server):
+    for pid in server.children():
         inodes = set()
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             with contextlib.suppress(OSError):
@@ -122,7 +116,7 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run
 
 
 def test_two_workers_share_the_ports_and_both_serve(server: RunningServer) -> None:
-    workers = workers_of(server)
+    workers = server.children()
     assert len(workers) == 2
     before = [cpu_ticks(pid) for pid in workers]
     for _ in range(ROUNDS * 4):
@@ -254,10 +248,10 @@ def test_a_sequence_continues_on_whichever_worker_a_new_connection_reaches(serve
 
 def test_a_killed_worker_is_restarted_with_the_servers_models(server: RunningServer) -> None:
     fresh(server).load_model("spare")
-    victim = workers_of(server)[0]
+    victim = server.children()[0]
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while victim in workers_of(server) or len(workers_of(server)) < 2:
+    while victim in server.children() or len(server.children()) < 2:
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.1)
     wait_ready(server)
@@ -270,7 +264,7 @@ def test_sigterm_stops_every_worker_cleanly(repo: Path, tmp_path: Path) -> None:
     with geserve([repo], tmp_path / "log", ["--workers", "2", "--model-control-mode", "explicit",
                                             "--load-model", "simple"]) as running:
         wait_ready(running)
-        workers = workers_of(running)
+        workers = running.children()
         running.process.send_signal(signal.SIGTERM)
         assert running.process.wait(30) == 0
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)

@@ -46,6 +46,11 @@ class RunningServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def children(self) -> list[int]:
+        """The server's child processes: with `--workers`, its workers."""
+        pid = self.process.pid
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
 
 def _wait_live(server: RunningServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout

@@ -214,13 +214,17 @@ def _tensor_layout(
     return TensorLayout(tensor.name, wire, config_dims, graph_dims)
 
 
+def _graph_level(config: ModelConfig) -> int:
+    """Triton's `optimization { graph { level } }`: 0 (all of ONNX Runtime's optimizations) when unset."""
+    return config.optimization.graph.level if config.HasField("optimization") else 0
+
+
 def _graph_options(config: ModelConfig, options: GeOptions, source: ModelSource) -> ort.SessionOptions:
     """The session options that shape the optimized graph: its optimization level, the `ort.*` entries and the
     custom-op libraries (shared_weights.py saves a graph made with these)."""
     session_options = ort.SessionOptions()
-    level = config.optimization.graph.level if config.HasField("optimization") else 0
     session_options.graph_optimization_level = _OPTIMIZATION_LEVELS.get(
-        level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        _graph_level(config), ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     )
     session_options.log_severity_level = 3
     # Idle intra-op threads spinning for work steal the cores the event loop and other instances need:
@@ -256,8 +260,7 @@ def _shared_graph(
         return None
     if isinstance(graph, bytes) and read_manifest(path).encrypted:
         return None  # the packed copy would hold the weights in the clear
-    level = config.optimization.graph.level if config.HasField("optimization") else 0
-    shape = fingerprint(level, sorted(options.ort_config_entries.items()),
+    shape = fingerprint(_graph_level(config), sorted(options.ort_config_entries.items()),
                         [file_identity(source.model_dir / library) for library in options.custom_ops])
     packed = packed_graph(path, graph, shape, lambda: _graph_options(config, options, source))
     if packed is not None:
