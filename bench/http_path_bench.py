@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import harness  # noqa: E402
+from report_table import median_rows  # noqa: E402
 
 from geserve import InferenceRequest, InputTensor, Server, ServerSettings  # noqa: E402
 from geserve.devices.target import share_cores  # noqa: E402
@@ -185,11 +185,8 @@ def report(cells: dict[str, list[float]], rounds: int, requests: int) -> str:
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}; {rounds} rounds of {requests} requests per cell, medians; "
         "`.venv/bin/python bench/http_path_bench.py`",
         "",
-        "| cell | main-thread CPU µs per request | rounds |",
-        "|---|---:|---|",
+        *median_rows("cell", "main-thread CPU µs per request", cells, 1),
     ]
-    for label, values in cells.items():
-        lines.append(f"| {label} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import statistics
 import struct
 import sys
 import time
 from pathlib import Path
+
+from report_table import median_rows
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 PAYLOAD = b"x" * 1024
@@ -60,18 +61,16 @@ def main() -> int:
     parser.add_argument("--trips", type=int, default=20000)
     args = parser.parse_args()
     rounds = [one_round(args.trips) for _ in range(args.rounds)]
-    columns = list(zip(*rounds, strict=True))
+    labels = ("caller's CPU", "other process's CPU", "wall time")
+    cells = dict(zip(labels, zip(*rounds, strict=True), strict=True))
     lines = [
         "# One hop to another process and back: the floor in Python",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}; {args.rounds} rounds of {args.trips} round trips, medians; 1 KB "
         "through shared memory, a pipe byte as the wake-up each way; `.venv/bin/python bench/ipc_hop_bench.py`",
         "",
-        "| per round trip | µs | rounds |",
-        "|---|---:|---|",
+        *median_rows("per round trip", "µs", cells, 1),
     ]
-    for label, values in zip(("caller's CPU", "other process's CPU", "wall time"), columns, strict=True):
-        lines.append(f"| {label} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from report_table import median_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "model_repository" / "mlp" / "1" / "model.onnx"
@@ -115,11 +116,8 @@ def report(cells: dict[str, list[float]], rounds: int, runs: int) -> str:
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}; {rounds} rounds of {runs} runs per cell, medians; one intra-op "
         "thread; `.venv/bin/python bench/weights_cache_bench.py`",
         "",
-        "| cell | CPU µs per run | rounds |",
-        "|---|---:|---|",
+        *median_rows("cell", "CPU µs per run", cells, 0),
     ]
-    for label, values in cells.items():
-        lines.append(f"| {label} | {statistics.median(values):.0f} | {', '.join(f'{v:.0f}' for v in values)} |")
     return "\n".join(lines) + "\n"
 
 
