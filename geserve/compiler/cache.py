@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from geserve.compiler.options import CompileOptions
@@ -20,6 +22,15 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "geserve"
 
 
+@contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Held by one process at a time across the machine (flock on `lock_path`): a cache entry is made once while
+    the other processes that want it wait, then find it made."""
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def compile_cached(options: CompileOptions, directory: Path | None = None) -> tuple[Path, bool]:
     """(path of the compiled package, True when it came from the cache). One process compiles; others wait."""
     directory = directory or cache_dir()
@@ -28,8 +39,7 @@ def compile_cached(options: CompileOptions, directory: Path | None = None) -> tu
     path = directory / f"{key}.gem"
     if path.is_file():
         return path, True
-    with open(directory / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with exclusive(directory / f"{key}.lock"):
         if path.is_file():
             return path, True  # another process compiled it while this one waited
         manifest, onnx_bytes = compile_model(options)

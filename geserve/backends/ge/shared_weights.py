@@ -15,7 +15,6 @@ encrypted model is never written there: its weights would lie on disk in the cle
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from geserve.compiler.cache import cache_dir
+from geserve.compiler.cache import cache_dir, exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +56,7 @@ def packed_graph(
         return packed / PACKED_MODEL
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)  # a model's weights: its owner's alone
-        with open(root / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with exclusive(root / f"{key}.lock"):
             if not (packed / PACKED_MODEL).is_file():  # else another process packed it while this one waited
                 _prune(root)
                 _pack(graph, new_options, root, key, {"source": str(source.resolve()), "siblings": siblings,
