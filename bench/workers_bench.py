@@ -17,7 +17,10 @@ sides of a ratio are measured minutes apart, so machine noise hits both alike). 
   commit before workers) served from a temporary git worktree as ab_compare.py does;
 - resnet: ResNet-50 with `dynamic_batching {}` at c=16 (geserve, `--resnet-workers`, default auto) vs raw ONNX
   Runtime in a child process at its best batch size;
-- scaling: MLP c=16 HTTP throughput with `--workers` 1 and 2 (`--workers-list 1,2,4,8,16` on bigger machines).
+- scaling: MLP c=16 HTTP throughput with `--workers` 1 and 2 (`--workers-list 1,2,4,8,16` on bigger machines);
+- lean: the same MLP cells on bench/lean_server.py (as many processes as geserve's workers), the least Python a
+  KServe binary inference can cost: no target, a yardstick for what a Python front door could reach here. Its
+  ratios to Triton and to geserve are listed when the http section ran in the same rounds.
 
 Every served cell records the server tree's CPU and perf_analyzer's CPU, so every row shows both. Writes
 bench/results/workers.md and workers.json (server logs: workers.*.log, git-ignored) and prints PASS/FAIL lines.
@@ -26,9 +29,11 @@ bench/results/workers.md and workers.json (server logs: workers.*.log, git-ignor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +61,7 @@ from geserve.workers.supervisor import worker_count  # noqa: E402
 from tests.support import reference  # noqa: E402
 from tests.support.server import start_geserve, stop_geserve  # noqa: E402
 
-SECTIONS = ("http", "grpc", "cpu", "c1", "resnet", "scaling")
+SECTIONS = ("http", "grpc", "cpu", "c1", "resnet", "scaling", "lean")
 DEFAULT_BASELINE = "38a0d2e"  # the last commit before `--workers` (issue 15)
 QUEUE_DELAY_US = 2000
 WINDOW_CAP = 4  # ResNet-50's perf_analyzer window: at most this many times the mode's
@@ -195,6 +200,30 @@ def start_triton(name: str, label: str, repo: Path) -> Server:
                   partial(reference.stop_process, process))
 
 
+def start_lean(name: str, label: str, batching: bool) -> Server:
+    """bench/lean_server.py on the MLP, one process per geserve worker (auto), in a session of its own."""
+    port = reference.free_port()
+    model = harness.onnx_path(harness.EXAMPLES / "mlp", harness.load_config(harness.EXAMPLES / "mlp"))
+    command = [sys.executable, str(ROOT / "bench" / "lean_server.py"), str(model), "--name", "mlp", "--port",
+               str(port), "--workers", str(worker_count(0)),
+               "--max-queue-delay-us", str(QUEUE_DELAY_US if batching else 0)]
+    with open(harness.RESULTS / f"workers.{name}.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(10)
+
+    server = Server(name, label, process.pid, f"127.0.0.1:{port}", "", worker_count(0), stop)
+    try:
+        wait_ready(server.http, 60)
+    except Exception:
+        stop()
+        raise
+    return server
+
+
 @contextmanager
 def baseline_server(ref: str, repo: Path) -> Iterator[Server]:
     """geserve at ``ref`` from a temporary git worktree (ab_compare.py's way), one process: GESERVE_WORKERS=1 for
@@ -293,6 +322,9 @@ def plan(sections: list[str], workers_list: list[int]) -> list[Cell]:
                   Cell("c1", "MLP HTTP c=1 baseline", "baseline", "mlp", concurrency=1)]
     if "resnet" in sections:
         cells += [Cell("resnet", "ResNet-50 HTTP c=16 geserve + DB", "g_resnet", "resnet50")]
+    if "lean" in sections:
+        cells += [Cell("lean", "MLP HTTP c=16 lean Python server", "lean", "mlp"),
+                  Cell("lean", "MLP HTTP c=16 lean Python server + DB", "lean_db", "mlp")]
     if "scaling" in sections:
         cells += [Cell("scaling", f"MLP HTTP c=16 geserve --workers {n}", "g_auto" if n == auto else f"g_{n}", "mlp")
                   for n in workers_list]
@@ -307,6 +339,11 @@ def start_servers(stack: ExitStack, cells: list[Cell], tmp: Path, baseline: str,
         print(f"starting {name}", file=sys.stderr, flush=True)
         if name == "baseline":
             server = stack.enter_context(baseline_server(baseline, geserve_repo("mlp", tmp / name, False)))
+        elif name.startswith("lean"):
+            batching = name.endswith("_db")
+            server = start_lean(name, f"lean_server.py --workers {worker_count(0)}{' + DB' if batching else ''}",
+                                batching)
+            stack.callback(server.stop)
         elif name.startswith("triton"):
             batching = name.endswith("_db")
             server = start_triton(name, f"Triton{' + DB' if batching else ''}",
@@ -508,6 +545,23 @@ def scaling_table(results: Results, cells: list[Cell], servers: dict[str, Server
     return lines
 
 
+def lean_lines(results: Results) -> list[str]:
+    """The lean server's cells against Triton and geserve measured in the same rounds (the http section's)."""
+    lines = []
+    for suffix, what in (("", "no batching"), (" + DB", f"dynamic batching ({QUEUE_DELAY_US} µs)")):
+        lean = f"MLP HTTP c=16 lean Python server{suffix}"
+        if lean not in results.rounds:
+            continue
+        parts = [f"{fmt(median(metric(results, lean, 'throughput')))} infer/s, server "
+                 f"{fmt(median(metric(results, lean, 'server_cpu_us')))} µs CPU/inf"]
+        for other in ("Triton", "geserve"):
+            value, each = paired_ratio(results, lean, f"MLP HTTP c=16 {other}{suffix}", "throughput")
+            if value is not None:
+                parts.append(f"{value:.2f}x {other} (rounds {', '.join(f'{r:.2f}' for r in each)})")
+        lines.append(f"- {what}: " + "; ".join(parts))
+    return lines
+
+
 def report(results: Results, cells: list[Cell], servers: dict[str, Server], samples: Samples, mode: Mode,
            found: list[Target], meta: dict[str, object]) -> str:
     raw = raw_best(results)
@@ -516,6 +570,7 @@ def report(results: Results, cells: list[Cell], servers: dict[str, Server], samp
         f"{raw[1]:.1f} rows/s (median over rounds).\n")
     pa_cores = median([s.pa_cores for runs in results.rounds.values() for s in runs if s is not None])
     scaling = scaling_table(results, cells, servers)
+    lean = lean_lines(results)
     return "\n".join([
         "# geserve workers vs Triton (issue 15)",
         "",
@@ -526,6 +581,7 @@ def report(results: Results, cells: list[Cell], servers: dict[str, Server], samp
         *cell_table(results, cells, servers, samples),
         raw_line,
         *(["## Scaling (MLP HTTP c=16, no batching)", "", *scaling, ""] if scaling else []),
+        *(["## The lean Python server (bench/lean_server.py: a yardstick, no target)", "", *lean, ""] if lean else []),
         "## Targets (issue 15)",
         "",
         *(f"- **{line.split(':', 1)[0]}**{line.split(':', 1)[1]}" for line in target_lines(found)),
