@@ -29,11 +29,9 @@ bench/results/workers.md and workers.json (server logs: workers.*.log, git-ignor
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -209,17 +207,12 @@ def start_lean(name: str, label: str, batching: bool) -> Server:
                "--max-queue-delay-us", str(QUEUE_DELAY_US if batching else 0)]
     with open(harness.RESULTS / f"workers.{name}.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        process.wait(10)
-
-    server = Server(name, label, process.pid, f"127.0.0.1:{port}", "", worker_count(0), stop)
+    server = Server(name, label, process.pid, f"127.0.0.1:{port}", "", worker_count(0),
+                    partial(reference.stop_process, process))  # its forked workers are in its process group
     try:
         wait_ready(server.http, 60)
     except Exception:
-        stop()
+        server.stop()
         raise
     return server
 
