@@ -41,6 +41,11 @@ class Arrivals:
         self.idle_clients += 1
         self.newest_client_ns = time.monotonic_ns()
 
+    def closed(self) -> bool:
+        """No request can arrive on the connections open now (`quiet` without the settling time): the event loop has
+        nothing to read until an answer goes out, so a batch may as well run on it (scheduling/pool.py)."""
+        return not (self.idle_clients or self.in_transit or self.open_ended or self.executing)
+
     def quiet(self, settled_ns: int) -> bool:
         """No request can arrive on the connections open now, and none was opened in the last `settled_ns`.
 

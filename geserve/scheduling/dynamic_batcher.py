@@ -188,6 +188,34 @@ class DynamicBatcher(AnswersLater):
         return self._adaptive
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
+        pending, level = self._pending(request)
+        if self._can_bypass_queue():
+            return await self._run_alone(pending)
+        self._push(pending, level)
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self._cancel(pending)
+            raise
+
+    def submit(self, request: InferenceRequest) -> Pending | None:
+        """`enqueue` without a coroutine, for a caller that waits on the returned request's future (HTTP's express
+        lane): raises as `enqueue` does, and `withdraw` takes the request back. None, having done nothing, when
+        the request would bypass the queue: `enqueue` runs it at once."""
+        if self._can_bypass_queue():
+            return None
+        pending, level = self._pending(request)
+        self._push(pending, level)
+        return pending
+
+    def withdraw(self, pending: Pending) -> None:
+        """A submitted request's caller went away: its future is cancelled and, while it still waits, it leaves the
+        queue (as a cancelled `enqueue`)."""
+        if pending.future.cancel():
+            self._cancel(pending)
+
+    def _pending(self, request: InferenceRequest) -> tuple[Pending, int]:
+        """The queue entry for `request` and its priority level; raises for a request this batcher cannot take."""
         if self._stopping:
             raise UnavailableError(f"model '{request.model_name}' is unloading")
         if self._task.done():
@@ -202,17 +230,13 @@ class DynamicBatcher(AnswersLater):
         future: asyncio.Future[InferenceResponse] = self._loop.create_future()
         pending = Pending(request, future, now, now + timeout_us * 1000 if timeout_us else 0, self._sequence,
                           _shape_key(request))
-        if self._can_bypass_queue():
-            return await self._run_alone(pending)
+        return pending, level
+
+    def _push(self, pending: Pending, level: int) -> None:
         self._queue.push(pending, level)  # raises at once when the level's queue is full
         self._sequence += 1
         if self._need_wake(pending):
             self._arrived.set()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._cancel(pending)
-            raise
 
     def _need_wake(self, pending: Pending) -> bool:
         """Whether a request just queued may make the batch being formed due: always, unless the batcher waits out

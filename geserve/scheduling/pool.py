@@ -5,7 +5,8 @@ one `call_soon_threadsafe`: cheaper per request than `run_in_executor`'s executo
 A model whose executions typically take less than `inline_below_us` of CPU runs on the event loop instead (unless its
 instances say `inline_allowed = False`, as Python models do: they may block on calls back into the loop):
 measured on 2 cores, handing a 60 µs MLP to a thread cost more than the run itself (GIL hand-offs and
-wake-ups), and inline execution lifted it from ~2.8k to ~4k infer/s at concurrency 16.
+wake-ups), and inline execution lifted it from ~2.8k to ~4k infer/s at concurrency 16. So does a run of up to 2 ms
+while no request can arrive until it ends (geserve/arrivals.py): the loop would only wait for it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ READINESS_TIMEOUT_S = 5.0  # a model readiness check that takes longer answers "
 # a system call (0.57 µs measured here), and an inline request took two. After a run that took longer than the inline
 # limit on the wall clock, the next one is sampled too.
 _SAMPLE_INLINE_EVERY = 8
+# The longest typical run that goes inline while no request can arrive (ARRIVALS.closed): a batch of a small model whose
+# every client waits on it. Measured with issue 15's MLP at c=16, 2 workers, 2000 µs delay: ~8% more throughput and
+# ~15 µs less CPU per inference than the thread hand-off (GIL hand-off, futex and loop wake-ups) for batches of 8.
+_CLOSED_INLINE_NS = 2_000_000
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
 _Job = tuple[list[InferenceRequest], asyncio.Future[Execution], asyncio.AbstractEventLoop]
 
@@ -141,9 +146,15 @@ class InstancePool:
         of them (one row each) fill a sequence batcher's empty slots: they count in the batch's size, as in Triton,
         but are no inferences of their own."""
         started = time.monotonic_ns()
+        # Inline: a short run, or one no request can arrive during (the loop has nothing to read meanwhile) that is
+        # short enough not to keep a new connection (a health probe) waiting.
+        typical = self._typical_ns
+        inline = worker.inline_allowed and typical > 0 and (
+            typical <= self.inline_below_ns or (typical <= _CLOSED_INLINE_NS and ARRIVALS.closed())
+        )
         ARRIVALS.executing += 1  # a model may send requests of its own while it runs (geserve/arrivals.py)
         try:
-            if worker.inline_allowed and 0 < self._typical_ns <= self.inline_below_ns:
+            if inline:
                 execution = self._run_inline(worker, requests)
             else:
                 loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ from geserve.config.sequence import SequenceSettings
 from geserve.errors import InternalError
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
+from geserve.scheduling.queue import Pending
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -35,6 +36,19 @@ class Scheduler(Protocol):
 
     async def stop(self) -> None:
         """Serve or fail what is queued, wait for what is executing, release the instances."""
+
+
+class Submits(Protocol):
+    """A scheduler that also queues a request without a coroutine (DynamicBatcher): the caller waits on the entry's
+    future (InferenceService.infer_soon)."""
+
+    def submit(self, request: InferenceRequest) -> Pending | None:
+        """Queue `request` (raising what `enqueue` raises); None, having done nothing, where `enqueue` must run it."""
+        ...
+
+    def withdraw(self, pending: Pending) -> None:
+        """The caller of a submitted request went away: cancel its future and take it out of the queue."""
+        ...
 
 
 class AnswersLater:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from functools import partial
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from geserve.config import ModelConfig
 from geserve.errors import (
@@ -31,6 +32,7 @@ from geserve.errors import (
 )
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
+from geserve.scheduling.scheduler import Submits
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
 from geserve.service.cluster import Cluster
@@ -57,6 +59,7 @@ from geserve.version import __version__
 SERVER_NAME = "geserve"
 SHUTTING_DOWN = "Server is shutting down: it accepts no new requests"
 _IN_PROCESS = Transport.IN_PROCESS
+_HTTP_CONTEXT = CallContext(Transport.HTTP)  # what `_prepare` reads of an HTTP call: only its transport
 _INFERENCE = ApiGroup.INFERENCE
 # What a server that is shutting down still answers from outside: health, metadata, settings, statistics. New work
 # (inference, model loads) is refused; calls from models (BLS, ensemble steps) belong to requests in flight.
@@ -318,6 +321,65 @@ class InferenceService:
             return response
         finally:
             self._leave()
+
+    def model_soon(self, name: str, version: str = "") -> ReadyModel | None:
+        """The model, when `infer_soon` may take its requests from outside: its scheduler queues requests without a
+        coroutine (`submit`), and no call policy, tracer, response cache or decoupled transaction concerns them.
+        Else None."""
+        if self.policies or self.tracer is not None:
+            return None
+        try:
+            model = self._manager.get(name, version)
+        except GeserveError:
+            return None
+        if model.response_cache or model.decoupled or not hasattr(model.scheduler, "submit"):
+            return None
+        return model
+
+    def prepare_soon(self, model: ReadyModel, request: InferenceRequest) -> None:
+        """What `infer` checks of an HTTP request once its model is known (raises its error), for a frontend that
+        prepares the requests it hands `infer_soon` from one it checked here."""
+        self._prepare(model, request, _HTTP_CONTEXT)
+
+    def infer_soon(
+        self, model: LoadedModel, request: InferenceRequest, answer: Callable[[InferenceResponse | Exception], None]
+    ) -> Callable[[], None] | None:
+        """`infer` without a coroutine, for a request a frontend already prepared for `model` as `infer` would
+        (HTTP's express lane: the same header bytes were decoded and checked before) and that no policy, tracer,
+        response cache or sequence concerns. The model's scheduler queues it (`submit`) and `answer` is called with
+        its response or its error, counted as `infer` counts them; the returned call withdraws it (the client went
+        away: counted CANCELED, `answer` never called). None, having done nothing, where `infer` must run it: the
+        server is draining, the scheduler would run it at once, or it refused it (`infer` gives the refusal)."""
+        if not self.accepting:
+            return None
+        scheduler = cast(Submits, model.scheduler)  # `model_soon` found it so
+        started = time.monotonic_ns()
+        try:
+            pending = scheduler.submit(request)
+        except GeserveError:
+            return None
+        if pending is None:
+            return None
+        self._enter()
+        pending.future.add_done_callback(partial(self._answer_soon, model, request, started, answer))
+        return partial(scheduler.withdraw, pending)
+
+    def _answer_soon(
+        self, model: LoadedModel, request: InferenceRequest, started: int,
+        answer: Callable[[InferenceResponse | Exception], None], done: asyncio.Future[InferenceResponse],
+    ) -> None:
+        self._leave()
+        if done.cancelled():
+            request.cancelled = True
+            model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
+            return
+        result: InferenceResponse | Exception
+        try:
+            result = self._succeeded(model, request, done.result(), started)
+        except Exception as exc:  # as in `_run`
+            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            result = exc
+        answer(result)
 
     async def infer_stream(
         self, request: InferenceRequest, context: CallContext = IN_PROCESS

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import gzip
 import logging
 import time
 import zlib
@@ -20,12 +19,23 @@ from geserve.errors import (
     UnknownModelError,
     UnsupportedError,
 )
-from geserve.frontends.http.codec import RequestParseError, decode_infer_request, encode_infer_response, parse_json
-from geserve.frontends.http.status import HTTP_STATUS
-from geserve.service.context import ApiGroup, CallContext, FrontendTrace, Transport
+from geserve.frontends.http.answers import (
+    JSON,
+    TEXT,
+    Answer,
+    BodyTooLarge,
+    HeaderLengthError,
+    Response,
+    UnsupportedEncoding,
+    error_body,
+    error_response,
+    infer_response,
+)
+from geserve.frontends.http.codec import RequestParseError, decode_infer_request, parse_json
+from geserve.frontends.http.express import ExpressLane, infer_target
+from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService
-from geserve.service.shared_memory import OutputPlacementError
-from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types import InferenceRequest
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +43,6 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-_JSON = b"application/json"
-_TEXT = b"text/plain"
-_OCTETS = b"application/octet-stream"
 _MODEL_ACTIONS = {"": "GET", "ready": "GET", "config": "GET", "stats": "GET", "infer": "POST"}
 _SHM_ACTIONS = {"status": "GET", "register": "POST", "unregister": "POST"}
 # Triton's HTTP wording for a setting of the wrong JSON type (its parser's; it answers them with 500, geserve 400).
@@ -49,27 +56,8 @@ _LOG_TYPES = {"log_file": str, "log_info": bool, "log_warning": bool, "log_error
 # Triton's order; trace_level is an array on the wire, the others single strings
 _TRACE_KEYS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
 
-Response = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]
-# A response and the trace to finish once it is sent (HttpFrontend.respond).
-Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]], FrontendTrace | None]
 # A request's body: whole (the native server reads it before answering) or to receive (ASGI).
 BodySource = bytes | Receive
-
-
-class BodyTooLarge(InvalidArgumentError):
-    pass
-
-
-class HeaderLengthError(InvalidArgumentError):
-    pass
-
-
-class UnsupportedEncoding(UnsupportedError):
-    pass
-
-
-# Triton answers these from its HTTP layer with a text/plain content type (the body is still JSON).
-_PLAIN_TEXT_ERRORS = (HeaderLengthError, UnsupportedEncoding, OutputPlacementError)
 
 
 class ClientDisconnected(Exception):
@@ -80,6 +68,7 @@ class HttpFrontend:
     def __init__(self, service: InferenceService, max_input_size: int) -> None:
         self._service = service
         self._max_input_size = max_input_size
+        self.lane = ExpressLane(service, max_input_size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry (uvicorn); the native server calls `respond` without the ASGI messages."""
@@ -116,7 +105,7 @@ class HttpFrontend:
         except ClientDisconnected:
             raise
         except Exception as exc:
-            status, body, content_type, extra = _error_response(exc, method, path)
+            status, body, content_type, extra = error_response(exc, method, path)
         return status, body, content_type, extra, context.trace
 
     async def _dispatch(
@@ -133,12 +122,12 @@ class HttpFrontend:
         if group == "models" and len(parts) > 2:
             if parts[2:] == ["stats"]:
                 return _json(await service.statistics(context=context)) if method == "GET" else _not_allowed()
-            return await self._model_route(method, parts[2:], source, headers, context)
+            return await self._model_route(method, path, parts[2:], source, headers, context)
         if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
             if method != "GET":
-                return _not_allowed(_TEXT)
+                return _not_allowed(TEXT)
             ok = service.live(context) if parts[2] == "live" else service.ready(context)
-            return (200, b"", _TEXT, []) if ok else (400, b"", _TEXT, [])
+            return (200, b"", TEXT, []) if ok else (400, b"", TEXT, [])
         if group == "repository":
             if parts[2:] == ["index"]:
                 if method != "POST":
@@ -196,7 +185,7 @@ class HttpFrontend:
                 await service.unregister_cuda_shared_memory(name, context)
             else:
                 await service.unregister_shared_memory(name, context)
-            return 200, b"", _JSON, []
+            return 200, b"", JSON, []
         options = parse_json(await self._read_body(source, headers))
         options = options if isinstance(options, dict) else {}
         if cuda:
@@ -210,7 +199,7 @@ class HttpFrontend:
         if not all(type(v) is int and v >= 0 for v in (offset, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
         await service.register_shared_memory(name, key, offset, byte_size, context)
-        return 200, b"", _JSON, []
+        return 200, b"", JSON, []
 
     async def _register_cuda(self, name: str, options: dict[str, Any], context: CallContext) -> Response:
         """`{"raw_handle": {"b64": ...}, "device_id": ..., "byte_size": ...}`, as tritonclient sends it."""
@@ -226,7 +215,7 @@ class HttpFrontend:
         if not all(type(v) is int and v >= 0 for v in (device_id, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
         await self._service.register_cuda_shared_memory(name, raw, device_id, byte_size, context)
-        return 200, b"", _JSON, []
+        return 200, b"", JSON, []
 
     async def _trace_setting(
         self, model: str, method: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
@@ -239,7 +228,8 @@ class HttpFrontend:
         return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
     async def _model_route(
-        self, method: str, parts: list[str], source: BodySource, headers: dict[bytes, bytes], context: CallContext
+        self, method: str, path: str, parts: list[str], source: BodySource, headers: dict[bytes, bytes],
+        context: CallContext,
     ) -> Response:
         """`parts` follow /v2/models/: {name}[/versions/{digits}][/ready|/config|/stats|/infer]."""
         name, version, rest = parts[0], "", parts[1:]
@@ -253,16 +243,16 @@ class HttpFrontend:
         if not name or len(rest) > 1 or action not in _MODEL_ACTIONS:
             return _not_found()
         if method != _MODEL_ACTIONS[action]:
-            return _not_allowed(_TEXT if action in ("infer", "ready") else _JSON)
+            return _not_allowed(TEXT if action in ("infer", "ready") else JSON)
         service = self._service
         if action == "infer":
-            return await self._infer(name, version, source, headers, context)
+            return await self._infer(path, name, version, source, headers, context)
         if action == "":
             return _json(service.model_metadata(name, version, context))
         if action == "ready":
             if await service.model_ready(name, version, context):
-                return 200, b"", _TEXT, []
-            return 400, _error_body("Model version not ready"), _TEXT, []
+                return 200, b"", TEXT, []
+            return 400, error_body("Model version not ready"), TEXT, []
         if action == "config":
             return _json(message_to_json_dict(service.model_config(name, version, context)))
         return _json(await service.statistics(name, version, context))
@@ -277,16 +267,18 @@ class HttpFrontend:
             await self._service.load_model(name, parameters if isinstance(parameters, dict) else {}, context)
         else:
             await self._service.unload_model(name, context)
-        return 200, b"", _JSON, []
+        return 200, b"", JSON, []
 
     async def _infer(
-        self, name: str, version: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
+        self, path: str, name: str, version: str, source: BodySource, headers: dict[bytes, bytes],
+        context: CallContext,
     ) -> Response:
         # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
         # does not admit the call again; the faults of the body still come after the model's lookup.
         self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
         traced = self._service.tracer is not None  # the receive times of a request the service may trace
         receive_start = time.monotonic_ns() if traced else 0
+        body = b""
         try:
             body = await self._read_body(source, headers)
             if traced:
@@ -298,8 +290,21 @@ class HttpFrontend:
             response = await self._service.infer(request, context)
         except UnknownModelError as exc:  # a body left unread past the size limit cannot be skipped: close
             extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
-            return 404, _error_body(exc.message), _TEXT, extra
-        return _infer_response(response, request, headers)
+            return 404, error_body(exc.message), TEXT, extra
+        answer = infer_response(response, request, headers)
+        if isinstance(source, bytes) and b"inference-header-content-length" in headers:  # the native server's
+            self.lane.learn(path, body, _header_length(headers, len(body)))
+        return answer
+
+    def respond_soon(
+        self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, client: tuple[str, int] | None,
+        extensions: dict[str, Any] | None, deliver: Callable[[Answer], None],
+    ) -> Callable[[], None] | None:
+        """The express lane (express.py) for a request it knows: queued, and answered later through `deliver`; the
+        returned call withdraws it. None, having done nothing, for any other request: await `respond`."""
+        if method != "POST" or extensions is not None:  # HTTPS: the caller's certificate is the routed path's
+            return None
+        return self.lane.submit(path, headers, body, deliver)
 
     def respond_now(
         self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, client: tuple[str, int] | None,
@@ -307,7 +312,7 @@ class HttpFrontend:
     ) -> Answer | None:
         """`respond` without awaiting, for an inference request whose model answers at once (see
         InferenceService.infer_now); None, having done nothing, for any other request: await `respond`."""
-        target = _infer_target(path) if method == "POST" else None
+        target = infer_target(path) if method == "POST" else None
         if target is None:
             return None
         name, version = target
@@ -321,11 +326,11 @@ class HttpFrontend:
                 request = self._decode(name, version, self._whole_body(body, headers), headers)
             except GeserveError as exc:
                 request = InferenceRequest(name, version, [], fault=exc)
-            status, payload, content_type, extra = _infer_response(
+            status, payload, content_type, extra = infer_response(
                 self._service.infer_now(model, request, context), request, headers
             )
         except Exception as exc:
-            status, payload, content_type, extra = _error_response(exc, method, path)
+            status, payload, content_type, extra = error_response(exc, method, path)
         return status, payload, content_type, extra, None
 
     def _decode(self, name: str, version: str, body: bytes, headers: dict[bytes, bytes]) -> InferenceRequest:
@@ -351,46 +356,6 @@ class HttpFrontend:
             for coding in reversed(_codings(encoding, transfer)):  # the last applied is the first undone
                 body = _decompress(body, coding, limit)
         return body
-
-
-def _error_response(exc: Exception, method: str, path: str) -> Response:
-    """A failed call's answer: a GeserveError by its code, anything else 500 (never taking the server down)."""
-    if isinstance(exc, GeserveError):
-        content_type = _TEXT if isinstance(exc, _PLAIN_TEXT_ERRORS) else _JSON
-        extra = [(b"connection", b"close")] if isinstance(exc, BodyTooLarge) else []
-        extra += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers]
-        return HTTP_STATUS[exc.code], _error_body(exc.message), content_type, extra
-    logger.error("unhandled error serving %s %s", method, path, exc_info=exc)
-    return 500, _error_body(f"internal error: {exc}"), _JSON, []
-
-
-def _infer_target(path: str) -> tuple[str, str] | None:
-    """(model, version) of /v2/models/{name}[/versions/{digits}]/infer; None for any other path."""
-    parts = path.split("/")
-    if len(parts) == 5 and parts[:3] == ["", "v2", "models"] and parts[3] and parts[4] == "infer":
-        return parts[3], ""
-    if len(parts) == 7 and parts[:3] == ["", "v2", "models"] and parts[3] and parts[4] == "versions" \
-            and parts[5].isdigit() and parts[6] == "infer":
-        return parts[3], parts[5]
-    return None
-
-
-def _infer_response(
-    response: InferenceResponse, request: InferenceRequest, headers: dict[bytes, bytes]
-) -> Response:
-    """A successful inference's HTTP answer: binary outputs after the JSON header, compressed if the client asks."""
-    parts, json_length = encode_infer_response(response, request)
-    payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-    extra = []
-    content_type = _JSON
-    if json_length is not None:
-        extra.append((b"inference-header-content-length", str(json_length).encode()))
-        content_type = _OCTETS
-    encoding = _response_encoding(headers.get(b"accept-encoding"))
-    if encoding is not None:
-        payload = gzip.compress(payload, 1) if encoding == b"gzip" else zlib.compress(payload, 1)
-        extra.append((b"content-encoding", encoding))
-    return 200, payload, content_type, extra
 
 
 class _HeaderView(Mapping[str, str]):
@@ -566,30 +531,16 @@ def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _response_encoding(accept: bytes | None) -> bytes | None:
-    if not accept:
-        return None
-    offered = [part.split(b";")[0].strip().lower() for part in accept.split(b",")]
-    for encoding in offered:
-        if encoding in (b"gzip", b"deflate"):
-            return encoding
-    return None
-
-
 def _json(value: Any) -> Response:
-    return 200, orjson.dumps(value), _JSON, []
-
-
-def _error_body(message: str) -> bytes:
-    return orjson.dumps({"error": message})
+    return 200, orjson.dumps(value), JSON, []
 
 
 def _not_found() -> Response:
-    return 404, _error_body("Not Found"), _TEXT, []
+    return 404, error_body("Not Found"), TEXT, []
 
 
-def _not_allowed(content_type: bytes = _JSON) -> Response:
-    return 405, _error_body("Method Not Allowed"), content_type, []
+def _not_allowed(content_type: bytes = JSON) -> Response:
+    return 405, error_body("Method Not Allowed"), content_type, []
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -139,14 +139,14 @@ def decode_infer_request(
             raise RequestParseError("Unable to parse 'outputs': expected an array")
         # kept as sent: a name asked twice is the service's to refuse (one rule for every protocol)
         request.outputs = [_decode_output(item) for item in outputs]
-    if key is not None and _KnownHeader.holds(header, request):
+    if key is not None and KnownHeader.holds(header, request):
         if len(_known_headers) >= _KNOWN_HEADERS:
             _known_headers.clear()  # a client that never repeats its header gains nothing from keeping them
-        _known_headers[key] = _KnownHeader(request, offset - header_length)
+        _known_headers[key] = KnownHeader(request, offset - header_length)
     return request
 
 
-class _KnownHeader:
+class KnownHeader:
     """A JSON header already decoded, to decode the next body that starts with the same bytes without parsing it.
 
     A client sends the same header with every request of the same shapes (perf_analyzer, tritonclient): only the
@@ -190,9 +190,14 @@ class _KnownHeader:
         return request
 
 
+def known_header(header: bytes) -> KnownHeader | None:
+    """The decoding of a JSON header seen before (`KnownHeader`), None for one never seen or never kept."""
+    return _known_headers.get(header)
+
+
 _KNOWN_HEADERS = 256  # distinct headers kept (per process)
 _KNOWN_HEADER_SIZE = 4096  # longest header kept: what 256 of them may hold stays small whatever clients send
-_known_headers: dict[bytes, _KnownHeader] = {}
+_known_headers: dict[bytes, KnownHeader] = {}
 
 
 def _decode_input(

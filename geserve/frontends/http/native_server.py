@@ -31,6 +31,7 @@ import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote
 
@@ -97,6 +98,16 @@ class DirectApp(Protocol):
         """`respond` without awaiting, where the app can answer at once; None (having done nothing) elsewhere."""
         ...
 
+    def respond_soon(
+        self, method: str, path: str, headers: dict[bytes, bytes], source: bytes,
+        client: tuple[str, int] | None, extensions: dict[str, Any] | None,
+        deliver: Callable[[tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any]], None],
+    ) -> Callable[[], None] | None:
+        """`respond` without a task, where the app can queue the request and answer it by calling `deliver` (once);
+        the returned call withdraws it (the client went away: `deliver` is then never called). None (having done
+        nothing) elsewhere."""
+        ...
+
 
 class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing a request head over the limits (answered 431)."""
@@ -128,6 +139,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body_size = 0
         self._worker: asyncio.Task[None] | None = None
+        self._owed: Callable[[], None] | None = None  # withdraws the request the app answers later (respond_soon)
         self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._paused = False
         self._closing = False
@@ -166,6 +178,10 @@ class _Connection(asyncio.Protocol):
             # service call it awaits (a queued request leaves its scheduler, counted CANCELED), and nothing is written.
             # No per-request watcher: the ASGI receive channel would need a second task per request to notice this.
             self._worker.cancel()
+        if self._owed is not None:  # the same for a request the app answers later: withdrawn
+            withdraw, self._owed = self._owed, None
+            self._server.inflight -= 1
+            withdraw()
 
     def data_received(self, data: bytes) -> None:
         if self._closing or self._stopped_reading:
@@ -234,7 +250,7 @@ class _Connection(asyncio.Protocol):
                 request.too_large = True
             elif name == b"expect" and value.lower() == b"100-continue":
                 expects_continue = True
-        if request.too_large and not self._pending and (self._worker is None or self._worker.done()):
+        if request.too_large and not self._owing():
             self._write_and_close(400, self._server.too_large_body())  # refused before its body is read
         elif expects_continue and not request.too_large and self._transport is not None:
             self._transport.write(_CONTINUE)
@@ -257,7 +273,7 @@ class _Connection(asyncio.Protocol):
         request, self._current = self._current, None
         if request is None or self._closing:
             return
-        if not self._pending and (self._worker is None or self._worker.done()) and self._answer_now(request):
+        if not self._owing() and self._answer_direct(request):
             return
         self._pending.append(request)
         ARRIVALS.in_transit += 1
@@ -267,10 +283,16 @@ class _Connection(asyncio.Protocol):
         if len(self._pending) > _MAX_PIPELINED and not self._paused and self._transport is not None:
             self._transport.pause_reading()
             self._paused = True
-        if self._worker is None or self._worker.done():
+        if self._owed is None and (self._worker is None or self._worker.done()):
             self._worker = self._loop.create_task(self._answer_pending())
 
     # ---- answering ------------------------------------------------------------------------------
+
+    def _owing(self) -> bool:
+        """Whether an answer is owed on this connection: a request waits, the task answers one, or the app will."""
+        return bool(self._pending) or self._owed is not None or (
+            self._worker is not None and not self._worker.done()
+        )
 
     async def _answer_pending(self) -> None:
         """One task per busy connection answers its requests strictly in arrival order."""
@@ -331,19 +353,34 @@ class _Connection(asyncio.Protocol):
             return False
         return request.keep_alive and not response.close_requested
 
-    def _answer_now(self, request: _Request) -> bool:
-        """Answer a request the app answers at once (an inference its model runs on the loop: DirectApp.respond_now)
-        here, without a task; called only when no earlier request of this connection is owed an answer. False: the
-        request was left untouched, to be answered in its turn (`_answer_pending`)."""
+    def _answer_direct(self, request: _Request) -> bool:
+        """Answer a request without the connection's task, where the app can (called only when no earlier request
+        of this connection is owed an answer): at once (DirectApp.respond_now: an inference its model runs on the
+        loop), or later through `_delivered` (DirectApp.respond_soon: HTTP's express lane). False: the request was
+        left untouched, to be answered in its turn (`_answer_pending`)."""
         app = self._server.direct
         if app is None or request.too_large or request.rejection is not None:
             return False
         body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
         request.body = [body]
+        headers = dict(request.headers)
+        idle = self._idle
+        if idle:  # counted before the app queues it: the client waits on an answer (a batch need not wait for it)
+            self._idle = False
+            ARRIVALS.idle_clients -= 1
         try:
-            answer = app.respond_now(
-                request.method, request.path, dict(request.headers), body, self._client, self._extensions
+            withdraw = app.respond_soon(
+                request.method, request.path, headers, body, self._client, self._extensions,
+                partial(self._delivered, request),
             )
+            if withdraw is not None:  # `_delivered` is called from a later turn of the loop, never from here
+                self._owed = withdraw
+                self._server.inflight += 1
+                return True
+            if idle:
+                self._idle = True
+                ARRIVALS.idle_clients += 1
+            answer = app.respond_now(request.method, request.path, headers, body, self._client, self._extensions)
         except Exception:
             self._fail(request)
             return True
@@ -352,6 +389,20 @@ class _Connection(asyncio.Protocol):
         if not self._send(request, answer) or self._server.stopping:
             self._close()
         return True
+
+    def _delivered(self, request: _Request, answer: tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any]) -> None:
+        """The answer to the request the app took through `respond_soon`; then the requests pipelined behind it."""
+        if self._owed is None:  # withdrawn: the client went away
+            return
+        self._owed = None
+        self._server.inflight -= 1
+        if not self._send(request, answer) or (self._server.stopping and not self._pending):
+            self._close()
+        elif self._pending:
+            self._worker = self._loop.create_task(self._answer_pending())
+        elif not self._closing and not self._idle:
+            self._idle = True
+            ARRIVALS.idle_clients += 1
 
     async def _respond(self, app: DirectApp, request: _Request, body: bytes) -> bool:
         """`_run_app` for an app that answers without ASGI's messages: one call, and the response in one write."""
@@ -396,7 +447,7 @@ class _Connection(asyncio.Protocol):
     def _reject(self, status: int, body: bytes) -> None:
         """Answer `status` and close; after the responses still owed on this connection, in their order."""
         self._stopped_reading = True
-        if self._pending or (self._worker is not None and not self._worker.done()):
+        if self._owing():
             self._pending.append(_Request("", "", b"", [], False, "1.1", rejection=(status, body)))
             if not self._paused and self._transport is not None:
                 self._transport.pause_reading()
@@ -430,14 +481,14 @@ class _Connection(asyncio.Protocol):
             on_close()
 
     def close_if_idle(self) -> None:
-        if (self._worker is None or self._worker.done()) and not self._pending:
+        if not self._owing():
             self._close()
 
     def expire(self, now: float, timeouts: tuple[float, float, float, float]) -> None:
         """Called by the sweep: close the connection if its phase has lasted longer than that phase's timeout."""
         if self._closing:
             return
-        if self._pending or (self._worker is not None and not self._worker.done()):
+        if self._owing():
             # A request under way is the application's time, not the client's: the clock restarts after it.
             self._since = now
             return

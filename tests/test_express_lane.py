@@ -1,0 +1,271 @@
+"""HTTP's express lane (geserve/frontends/http/express.py): a binary inference request whose header the server already
+served goes straight to its model's batch queue and is answered from the batch's completion. It must answer exactly
+what the routed path answers, keep the answers of a connection in order, count statistics alike, and withdraw a
+queued request whose client went away (CANCELED).
+
+The first tests feed perf_analyzer's kind of request bytes to the native HTTP server's connection objects in-process
+(a real server's models and ONNX Runtime sessions, a transport that keeps what is written), so they can see which
+requests took the lane; the last drives a real server process with tritonclient, lane and routed requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from geserve import Server, ServerSettings
+from geserve.frontends.http.app import HttpFrontend
+from geserve.frontends.http.codec import decode_infer_request
+from geserve.frontends.http.native_server import NativeHttpServer, _Connection
+from tests.support import models
+from tests.support.server import geserve
+
+LIMIT = 64 << 20
+QUEUED = "dynamic_batching { max_queue_delay_microseconds: 20000 }"
+HELD = 'dynamic_batching { max_queue_delay_microseconds: 30000000 }\nparameters { key: "early_batch_dispatch" ' \
+       'value: { string_value: "false" } }'
+
+
+class KeepingTransport(asyncio.Transport):
+    """Stands in for a client's socket: keeps what the server writes, and whether it was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def writelines(self, chunks: Any) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def request_bytes(model: str, value: int, *, binary_outputs: bool = True, reverse: bool = True) -> bytes:
+    """A tritonclient request for `simple`: both inputs binary, INPUT1 first (so the lane reorders them)."""
+    tensors = []
+    for name, data in (("INPUT0", value), ("INPUT1", 1)):
+        tensor = httpclient.InferInput(name, [1, 16], "INT32")
+        tensor.set_data_from_numpy(np.full((1, 16), data, np.int32), binary_data=True)
+        tensors.append(tensor)
+    outputs = [httpclient.InferRequestedOutput(n, binary_data=binary_outputs) for n in ("OUTPUT0", "OUTPUT1")]
+    body, json_size = httpclient.InferenceServerClient.generate_request_body(
+        tensors[::-1] if reverse else tensors, outputs=outputs
+    )
+    head = (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {json_size}\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+def json_request_bytes(model: str, value: int) -> bytes:
+    body = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": [v] * 16}
+                                  for n, v in (("INPUT0", value), ("INPUT1", 1))]}).encode()
+    head = f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def split_responses(data: bytes) -> list[tuple[bytes, bytes]]:
+    """(head, body) of each HTTP response in `data`, in order."""
+    answers = []
+    while data:
+        head, rest = data.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length"))
+        answers.append((head, rest[:length]))
+        data = rest[length:]
+    return answers
+
+
+def outputs_of(answer: tuple[bytes, bytes]) -> dict[str, list[int]]:
+    head, body = answer
+    assert head.startswith(b"HTTP/1.1 200"), head
+    sizes = [line for line in head.split(b"\r\n") if line.lower().startswith(b"inference-header-content-length")]
+    header_length = int(sizes[0].split(b":")[1]) if sizes else len(body)
+    header = json.loads(body[:header_length])
+    values, offset = {}, header_length
+    for output in header["outputs"]:
+        if "data" in output:
+            values[output["name"]] = output["data"]
+        else:
+            size = output["parameters"]["binary_data_size"]
+            values[output["name"]] = np.frombuffer(body, np.int32, size // 4, offset).tolist()
+            offset += size
+    return values
+
+
+def in_process(tmp_path: Path, body: Callable[[Server, HttpFrontend, NativeHttpServer], Awaitable[None]]) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    models.simple(repo, "queued", extra=QUEUED)
+    models.simple(repo, "held", extra=HELD)
+    models.simple(repo, "unbatched")
+
+    async def main() -> None:
+        server = Server(ServerSettings(model_repositories=[repo], allow_http=False, allow_grpc=False,
+                                       allow_metrics=False, model_control_mode="explicit", load_models=["*"]))
+        await server.start()
+        frontend = HttpFrontend(server.service, LIMIT)
+        try:
+            await body(server, frontend, NativeHttpServer(frontend, "127.0.0.1", 0, LIMIT))
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def connect(http: NativeHttpServer) -> tuple[_Connection, KeepingTransport]:
+    connection, transport = _Connection(http), KeepingTransport()
+    connection.connection_made(transport)
+    return connection, transport
+
+
+async def answers(transport: KeepingTransport, count: int) -> list[tuple[bytes, bytes]]:
+    for _ in range(500):
+        if transport.written.count(b"HTTP/1.1 ") >= count:
+            break
+        await asyncio.sleep(0.01)
+    return split_responses(transport.written)
+
+
+def stats(server: Server, model: str) -> dict[str, Any]:
+    return server.service._statistics(model, "")["model_stats"][0]
+
+
+def test_the_lane_answers_byte_for_byte_what_the_routed_path_answered(tmp_path: Path) -> None:
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        for binary in (True, False):
+            connection, transport = connect(http)
+            data = request_bytes("queued", 5, binary_outputs=binary)
+            routed_plans = len(frontend.lane._plans)
+            connection.data_received(data)  # routed: the lane learns its header
+            (first,) = await answers(transport, 1)
+            assert len(frontend.lane._plans) == routed_plans + 1
+            transport.written = b""
+            connection.data_received(data)
+            assert connection._owed is not None  # taken by the lane, queued
+            (second,) = await answers(transport, 1)
+            assert second == first
+            assert outputs_of(second) == {"OUTPUT0": [6] * 16, "OUTPUT1": [4] * 16}
+        recorded = stats(server, "queued")
+        assert recorded["inference_count"] == recorded["inference_stats"]["success"]["count"] == 4
+        assert recorded["inference_stats"]["queue"]["count"] == 4
+
+    in_process(tmp_path, body)
+
+
+def test_pipelined_requests_are_answered_in_order_across_the_lane_and_the_routed_path(tmp_path: Path) -> None:
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        connection, transport = connect(http)
+        connection.data_received(request_bytes("queued", 1))
+        await answers(transport, 1)
+        transport.written = b""
+        # The lane takes the first; the JSON one (routed) and a third lane-able one wait their turn behind it.
+        connection.data_received(request_bytes("queued", 2) + json_request_bytes("queued", 3)
+                                 + request_bytes("queued", 4) + request_bytes("unbatched", 5))
+        got = await answers(transport, 4)
+        assert [outputs_of(a)["OUTPUT0"][0] for a in got] == [3, 4, 5, 6]
+        assert stats(server, "queued")["inference_count"] == 4
+
+    in_process(tmp_path, body)
+
+
+def test_a_client_that_goes_away_withdraws_its_queued_lane_request(tmp_path: Path) -> None:
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        data = request_bytes("held", 7)
+        header_length = int(data.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])
+        # Taught without waiting out the 30 s delay: the routed path decodes, then the lane learns once served.
+        payload = data.split(b"\r\n\r\n", 1)[1]
+        decode_infer_request(payload, header_length, "held", "")
+        frontend.lane.learn("/v2/models/held/infer", payload, header_length)
+        assert frontend.lane._plans
+        connection, transport = connect(http)
+        connection.data_received(data)
+        assert connection._owed is not None
+        scheduler = server.service._manager.get("held").scheduler
+        assert scheduler.inflight_count == 1
+        connection.connection_lost(None)
+        await asyncio.sleep(0.05)
+        assert scheduler.inflight_count == 0 and transport.written == b""
+        recorded = stats(server, "held")
+        assert recorded["inference_stats"]["fail"]["count"] == 1 and recorded["execution_count"] == 0
+        assert http.inflight == 0 and server.service.inflight == 0
+
+    in_process(tmp_path, body)
+
+
+def test_a_reloaded_model_is_not_served_from_the_old_plan(tmp_path: Path) -> None:
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        connection, transport = connect(http)
+        data = request_bytes("queued", 2)
+        for _ in range(2):
+            connection.data_received(data)
+            await answers(transport, 1)
+            transport.written = b""
+        (plan,) = [p for (path, _), p in frontend.lane._plans.items() if path == "/v2/models/queued/infer"]
+        await server.service.unload_model("queued")
+        connection.data_received(data)
+        (gone,) = await answers(transport, 1)
+        assert gone[0].startswith(b"HTTP/1.1 404") or gone[0].startswith(b"HTTP/1.1 400"), gone
+        assert connection._owed is None
+        transport.written = b""
+        await server.service.load_model("queued", {})
+        connection.data_received(data)  # routed again: the plan held the unloaded model
+        (back,) = await answers(transport, 1)
+        assert outputs_of(back)["OUTPUT0"] == [3] * 16
+        assert frontend.lane._plans[("/v2/models/queued/infer", data.split(b"\r\n\r\n", 1)[1][
+            :int(data.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])])].model is not plan.model
+
+    in_process(tmp_path, body)
+
+
+def test_a_real_server_batches_lane_and_routed_requests_alike(tmp_path: Path) -> None:
+    """tritonclient's binary requests (the lane, once their header is known) and JSON ones (routed) at once, on a
+    real server: every answer right, every request counted, and they share batches."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    models.simple(repo, "batched", extra="dynamic_batching { max_queue_delay_microseconds: 5000 }")
+    with geserve([repo], tmp_path / "geserve.log") as server:
+
+        def client(first: int) -> list[list[int]]:  # one of eight clients, each with a request in flight at a time
+            connection = httpclient.InferenceServerClient(server.url)
+            got = []
+            for value in range(first, first + 30):
+                inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+                binary = value % 3 != 0
+                inputs[0].set_data_from_numpy(np.full((1, 16), value, np.int32), binary_data=binary)
+                inputs[1].set_data_from_numpy(np.ones((1, 16), np.int32), binary_data=binary)
+                got.append(connection.infer("batched", inputs).as_numpy("OUTPUT0")[0].tolist())
+            connection.close()
+            return got
+
+        with ThreadPoolExecutor(8) as pool:
+            got = [answer for answers in pool.map(client, range(0, 240, 30)) for answer in answers]
+        assert got == [[v + 1] * 16 for v in range(240)]
+        with urllib.request.urlopen(f"{server.base}/v2/models/batched/stats", timeout=10) as response:
+            recorded = json.loads(response.read())["model_stats"][0]
+        assert recorded["inference_count"] == recorded["inference_stats"]["success"]["count"] == 240
+        assert recorded["execution_count"] < 240  # batched
