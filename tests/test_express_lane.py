@@ -177,6 +177,25 @@ def test_the_lane_answers_byte_for_byte_what_the_routed_path_answered(tmp_path: 
     in_process(tmp_path, body)
 
 
+def test_the_lane_answers_a_model_that_runs_at_once_without_awaiting(tmp_path: Path) -> None:
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        connection, transport = connect(http)
+        data = request_bytes("unbatched", 5)
+        connection.data_received(data)  # routed (the pool has not timed the model yet): the lane learns
+        (first,) = await answers(transport, 1)
+        (plan,) = [p for (path, _), p in frontend.lane._plans.items() if path == "/v2/models/unbatched/infer"]
+        assert not plan.queues
+        for _ in range(2):
+            transport.written = b""
+            connection.data_received(data)
+            assert split_responses(transport.written) == [first]  # answered within the call: nothing awaited
+        recorded = stats(server, "unbatched")
+        assert recorded["inference_count"] == recorded["execution_count"] == 3
+        assert recorded["inference_stats"]["success"]["count"] == 3
+
+    in_process(tmp_path, body)
+
+
 def test_pipelined_requests_are_answered_in_order_across_the_lane_and_the_routed_path(tmp_path: Path) -> None:
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         connection, transport = connect(http)

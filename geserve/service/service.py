@@ -32,7 +32,7 @@ from geserve.errors import (
 )
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
-from geserve.scheduling.scheduler import Submits
+from geserve.scheduling.scheduler import AnswersLater, Submits
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
 from geserve.service.cluster import Cluster
@@ -323,18 +323,37 @@ class InferenceService:
             self._leave()
 
     def model_soon(self, name: str, version: str = "") -> ReadyModel | None:
-        """The model, when `infer_soon` may take its requests from outside: its scheduler queues requests without a
-        coroutine (`submit`), and no call policy, tracer, response cache or decoupled transaction concerns them.
-        Else None."""
+        """The model, when a frontend may hand it requests it prepared itself (`infer_soon`, `infer_prepared_now`):
+        its scheduler queues requests without a coroutine (`submit`) or may run them at once (`ready_now`), and no
+        call policy, tracer, response cache or decoupled transaction concerns them. Else None."""
         if self.policies or self.tracer is not None:
             return None
         try:
             model = self._manager.get(name, version)
         except GeserveError:
             return None
-        if model.response_cache or model.decoupled or not hasattr(model.scheduler, "submit"):
+        scheduler = model.scheduler
+        if model.response_cache or model.decoupled or not (
+            hasattr(scheduler, "submit") or not isinstance(scheduler, AnswersLater)
+        ):
             return None
         return model
+
+    def infer_prepared_now(self, model: ReadyModel, request: InferenceRequest) -> InferenceResponse | None:
+        """`infer_now` for a request prepared as `infer_soon`'s are, when the model's scheduler runs it at once;
+        None, having done nothing, when it would not (or the server is draining): `infer` must."""
+        if not self.accepting or not model.scheduler.ready_now():
+            return None
+        self._enter()
+        try:
+            started = time.monotonic_ns()
+            try:
+                return self._succeeded(model, request, model.scheduler.answer_now(request), started)
+            except Exception as exc:  # as in `_run`
+                model.statistics.record_failure(time.monotonic_ns() - started, exc)
+                raise
+        finally:
+            self._leave()
 
     def prepare_soon(self, model: ReadyModel, request: InferenceRequest) -> None:
         """What `infer` checks of an HTTP request once its model is known (raises its error), for a frontend that

@@ -315,6 +315,10 @@ class HttpFrontend:
         target = infer_target(path) if method == "POST" else None
         if target is None:
             return None
+        if extensions is None:  # HTTPS: the caller's certificate is the routed path's
+            answer = self.lane.answer_now(path, headers, body)
+            if answer is not None:
+                return answer
         name, version = target
         model = self._service.model_now(name, version)
         if model is None:
@@ -323,12 +327,15 @@ class HttpFrontend:
         try:
             self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)  # as in `_infer`
             try:
-                request = self._decode(name, version, self._whole_body(body, headers), headers)
+                body = self._whole_body(body, headers)
+                request = self._decode(name, version, body, headers)
             except GeserveError as exc:
                 request = InferenceRequest(name, version, [], fault=exc)
             status, payload, content_type, extra = infer_response(
                 self._service.infer_now(model, request, context), request, headers
             )
+            if b"inference-header-content-length" in headers:
+                self.lane.learn(path, body, _header_length(headers, len(body)))
         except Exception as exc:
             status, payload, content_type, extra = error_response(exc, method, path)
         return status, payload, content_type, extra, None

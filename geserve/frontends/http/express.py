@@ -1,13 +1,14 @@
 """HTTP's express lane: an inference request whose JSON header the server already decoded and checked for the same
-model goes straight to the model's batch queue, and is answered from the batch's completion by a callback.
+model goes straight to the model's batch queue, and is answered from the batch's completion by a callback (or, for a
+model that runs it at once on the loop, straight to its instance).
 
 Why: at c=16 with dynamic batching, routing, decoding, the service's checks and the nine coroutine frames between
 the connection and the batcher cost about as much CPU as the model itself (issue 15's batched cell). A client sends
 the same header bytes with every request of the same shapes (perf_analyzer, tritonclient), and for one model object
 the outcome of routing, decoding and checking is a pure function of those bytes: the lane learns it from a request
-the routed path served (`learn`) and replays it (`submit`). It takes only what it can replay exactly: binary
-fixed-size inputs, no request id or parameters, no shared memory (codec.KnownHeader), a model whose scheduler
-queues without a coroutine, with no call policy, tracer, response cache or decoupled transaction
+the routed path served (`learn`) and replays it (`submit`, `answer_now`). It takes only what it can replay exactly:
+binary fixed-size inputs, no request id or parameters, no shared memory (codec.KnownHeader), a model whose scheduler
+queues without a coroutine or runs at once, with no call policy, tracer, response cache or decoupled transaction
 (InferenceService.model_soon), and a plain (no TLS, no content coding) body. Anything else, and any request the lane
 declines, takes the routed path, which gives the same answer. Statistics, cancellation (a client that goes away
 withdraws its queued request: CANCELED) and early dispatch see lane requests as any other.
@@ -37,6 +38,7 @@ class _Plan:
     decode: KnownHeader
     order: tuple[int, ...] | None  # where each of the model's inputs is among the header's; None: the same order
     batch_size: int
+    queues: bool  # the model's scheduler queues requests (`submit`); else it may run them at once (`answer_now`)
 
 
 def infer_target(path: str) -> tuple[str, str] | None:
@@ -61,8 +63,35 @@ class ExpressLane:
     def submit(
         self, path: str, headers: dict[bytes, bytes], body: bytes, deliver: Deliver
     ) -> Callable[[], None] | None:
-        """Queue the request when the lane knows its header: `deliver` is called with its answer, and the returned
-        call withdraws it. None, having done nothing, for a request the routed path must serve."""
+        """Queue the request when the lane knows its header and its model queues: `deliver` is called with its
+        answer, and the returned call withdraws it. None, having done nothing, for a request the lane leaves to
+        `answer_now` or to the routed path."""
+        prepared = self._prepared(path, headers, body, True)
+        if prepared is None:
+            return None
+        model, request = prepared
+        return self._service.infer_soon(model, request, partial(self._answered, path, request, headers, deliver))
+
+    def answer_now(self, path: str, headers: dict[bytes, bytes], body: bytes) -> Answer | None:
+        """The answer, when the lane knows the request's header and its model runs it at once (on the loop); None,
+        having done nothing, for a request the routed path must serve."""
+        prepared = self._prepared(path, headers, body, False)
+        if prepared is None:
+            return None
+        model, request = prepared
+        try:
+            response = self._service.infer_prepared_now(model, request)
+            if response is None:
+                return None
+            return *infer_response(response, request, headers), None
+        except Exception as exc:
+            return *error_response(exc, "POST", path), None
+
+    def _prepared(
+        self, path: str, headers: dict[bytes, bytes], body: bytes, queued: bool
+    ) -> tuple[ReadyModel, InferenceRequest] | None:
+        """The request its plan makes of `body`, and its model; None where the lane has no plan for it, or one for a
+        model that does not queue (`queued`) or does (not `queued`)."""
         raw_length = headers.get(b"inference-header-content-length")
         if raw_length is None or not raw_length.isdigit() or b"content-encoding" in headers \
                 or b"transfer-encoding" in headers or len(body) > self._max_input_size:
@@ -70,7 +99,7 @@ class ExpressLane:
         length = int(raw_length)
         key = (path, body[:length])
         plan = self._plans.get(key)
-        if plan is None or length + plan.decode.data_size != len(body):
+        if plan is None or plan.queues is not queued or length + plan.decode.data_size != len(body):
             return None
         model = plan.model
         target = infer_target(path)
@@ -81,7 +110,7 @@ class ExpressLane:
         if plan.order is not None:
             request.inputs = [request.inputs[i] for i in plan.order]
         request.batch_size = plan.batch_size
-        return self._service.infer_soon(model, request, partial(self._answered, path, request, headers, deliver))
+        return model, request
 
     @staticmethod
     def _answered(
@@ -119,5 +148,6 @@ class ExpressLane:
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = _Plan(
-            model, decode, None if order == tuple(range(len(order))) else order, request.batch_size
+            model, decode, None if order == tuple(range(len(order))) else order, request.batch_size,
+            hasattr(model.scheduler, "submit"),
         )
