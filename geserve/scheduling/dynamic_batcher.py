@@ -19,6 +19,7 @@ import bisect
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +29,7 @@ from geserve.config import ModelConfig
 from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.pool import InstancePool, Worker, execution_failed
-from geserve.scheduling.queue import Pending, PriorityQueue, QueuePolicy, ShapeKey
+from geserve.scheduling.queue import Callback, Outcome, Pending, PriorityQueue, QueuePolicy, ShapeKey
 from geserve.scheduling.scheduler import AnswersLater, SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
 
@@ -156,6 +157,9 @@ class DynamicBatcher(AnswersLater):
         self._settings = settings
         self._pool = pool
         self._queue = PriorityQueue(settings.priority_levels, settings.default_priority_level, settings.policies)
+        # Where a request with no priority and no timeout of its own goes (most requests): worked out once.
+        self._default_level = self._queue.level_of(0)
+        self._default_timeout_us = self._queue.policy(self._default_level).timeout_us(0)
         loop = self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._arrived = _Wakeup(loop)
         # While the batcher waits out a batch's delay with `_wake_rows` rows still missing to its limit: the rows that
@@ -188,33 +192,38 @@ class DynamicBatcher(AnswersLater):
         return self._adaptive
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
-        pending, level = self._pending(request)
+        future: asyncio.Future[InferenceResponse] = self._loop.create_future()
+        pending, level = self._pending(request, future)
         if self._can_bypass_queue():
             return await self._run_alone(pending)
         self._push(pending, level)
         try:
-            return await pending.future
+            return await future
         except asyncio.CancelledError:
             self._cancel(pending)
             raise
 
-    def submit(self, request: InferenceRequest) -> Pending | None:
-        """`enqueue` without a coroutine, for a caller that waits on the returned request's future (HTTP's express
-        lane): raises as `enqueue` does, and `withdraw` takes the request back. None, having done nothing, when
-        the request would bypass the queue: `enqueue` runs it at once."""
+    def submit(
+        self, request: InferenceRequest, done: Callable[[InferenceResponse | BaseException], None]
+    ) -> Pending | None:
+        """`enqueue` without a coroutine (HTTP's express lane): `done` is called with the response or the error the
+        moment its batch completes (it must not raise), and `withdraw` takes the request back. Raises as `enqueue`
+        does; None, having done nothing, when the request would bypass the queue: `enqueue` runs it at once."""
         if self._can_bypass_queue():
             return None
-        pending, level = self._pending(request)
+        pending, level = self._pending(request, Callback(done))
         self._push(pending, level)
         return pending
 
-    def withdraw(self, pending: Pending) -> None:
-        """A submitted request's caller went away: its future is cancelled and, while it still waits, it leaves the
-        queue (as a cancelled `enqueue`)."""
-        if pending.future.cancel():
-            self._cancel(pending)
+    def withdraw(self, pending: Pending) -> bool:
+        """A submitted request's caller went away: unless its outcome is known already (False), `done` will never be
+        called and, while it still waits, it leaves the queue (as a cancelled `enqueue`)."""
+        if not pending.future.cancel():
+            return False
+        self._cancel(pending)
+        return True
 
-    def _pending(self, request: InferenceRequest) -> tuple[Pending, int]:
+    def _pending(self, request: InferenceRequest, outcome: Outcome) -> tuple[Pending, int]:
         """The queue entry for `request` and its priority level; raises for a request this batcher cannot take."""
         if self._stopping:
             raise UnavailableError(f"model '{request.model_name}' is unloading")
@@ -225,10 +234,12 @@ class DynamicBatcher(AnswersLater):
                 f"inference request batch-size must be <= {self._settings.max_batch_size} for '{self._name}'"
             )
         now = time.monotonic_ns()
-        level = self._queue.level_of(request.priority)
-        timeout_us = self._queue.policy(level).timeout_us(request.timeout_us)
-        future: asyncio.Future[InferenceResponse] = self._loop.create_future()
-        pending = Pending(request, future, now, now + timeout_us * 1000 if timeout_us else 0, self._sequence,
+        if request.priority or request.timeout_us:
+            level = self._queue.level_of(request.priority)
+            timeout_us = self._queue.policy(level).timeout_us(request.timeout_us)
+        else:
+            level, timeout_us = self._default_level, self._default_timeout_us
+        pending = Pending(request, outcome, now, now + timeout_us * 1000 if timeout_us else 0, self._sequence,
                           _shape_key(request))
         return pending, level
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2
 
@@ -40,12 +40,59 @@ class QueuePolicy:
         return self.default_timeout_us
 
 
+class Outcome(Protocol):
+    """What the batcher does with a queued request's future: asyncio's, or a `Callback` for a caller that awaits
+    nothing."""
+
+    def done(self) -> bool: ...
+
+    def cancelled(self) -> bool: ...
+
+    def cancel(self) -> bool: ...
+
+    def set_result(self, result: InferenceResponse) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
+
+
+class Callback:
+    """A queued request's outcome handed to a function the moment the batch completes, within the batcher's own call:
+    no future, done callback or loop turn per request (HTTP's express lane, InferenceService.infer_soon). The function
+    must not raise."""
+
+    __slots__ = ("_call", "_state")
+
+    def __init__(self, call: Callable[[InferenceResponse | BaseException], None]) -> None:
+        self._call = call
+        self._state = 0  # 0: waiting, 1: done, 2: cancelled
+
+    def done(self) -> bool:
+        return self._state != 0
+
+    def cancelled(self) -> bool:
+        return self._state == 2
+
+    def cancel(self) -> bool:
+        if self._state:
+            return False
+        self._state = 2
+        return True
+
+    def set_result(self, result: InferenceResponse) -> None:
+        self._state = 1
+        self._call(result)
+
+    def set_exception(self, exception: BaseException) -> None:
+        self._state = 1
+        self._call(exception)
+
+
 @dataclass(slots=True, eq=False)
 class Pending:
     """A queued request with its future and the times the batcher decides by (monotonic ns)."""
 
     request: InferenceRequest
-    future: asyncio.Future[InferenceResponse]
+    future: Outcome
     enqueued_ns: int
     deadline_ns: int  # 0: none
     sequence: int

@@ -39,15 +39,19 @@ class Scheduler(Protocol):
 
 
 class Submits(Protocol):
-    """A scheduler that also queues a request without a coroutine (DynamicBatcher): the caller waits on the entry's
-    future (InferenceService.infer_soon)."""
+    """A scheduler that also queues a request without a coroutine (DynamicBatcher): the caller is called back with the
+    outcome (InferenceService.infer_soon)."""
 
-    def submit(self, request: InferenceRequest) -> Pending | None:
-        """Queue `request` (raising what `enqueue` raises); None, having done nothing, where `enqueue` must run it."""
+    def submit(
+        self, request: InferenceRequest, done: Callable[[InferenceResponse | BaseException], None]
+    ) -> Pending | None:
+        """Queue `request` (raising what `enqueue` raises): `done` gets its response or error; None, having done
+        nothing, where `enqueue` must run it."""
         ...
 
-    def withdraw(self, pending: Pending) -> None:
-        """The caller of a submitted request went away: cancel its future and take it out of the queue."""
+    def withdraw(self, pending: Pending) -> bool:
+        """The caller of a submitted request went away: False when its outcome is known already, else `done` is never
+        called and it leaves the queue."""
         ...
 
 

@@ -12,6 +12,7 @@ in service/audit.py, and no frontend needs a hook for it (see that module).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
@@ -32,6 +33,7 @@ from geserve.errors import (
 )
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
+from geserve.scheduling.queue import Pending
 from geserve.scheduling.scheduler import AnswersLater, Submits
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
@@ -55,6 +57,8 @@ from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.types.wire import tensor_bytes
 from geserve.version import __version__
+
+logger = logging.getLogger(__name__)
 
 SERVER_NAME = "geserve"
 SHUTTING_DOWN = "Server is shutting down: it accepts no new requests"
@@ -374,31 +378,43 @@ class InferenceService:
         scheduler = cast(Submits, model.scheduler)  # `model_soon` found it so
         started = time.monotonic_ns()
         try:
-            pending = scheduler.submit(request)
+            pending = scheduler.submit(request, partial(self._answer_soon, model, request, started, answer))
         except GeserveError:
             return None
         if pending is None:
             return None
         self._enter()
-        pending.future.add_done_callback(partial(self._answer_soon, model, request, started, answer))
-        return partial(scheduler.withdraw, pending)
+        return partial(self._withdraw_soon, scheduler, pending, model, request, started)
+
+    def _withdraw_soon(
+        self, scheduler: Submits, pending: Pending, model: LoadedModel, request: InferenceRequest, started: int
+    ) -> None:
+        if scheduler.withdraw(pending):
+            self._leave()
+            request.cancelled = True
+            model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
 
     def _answer_soon(
         self, model: LoadedModel, request: InferenceRequest, started: int,
-        answer: Callable[[InferenceResponse | Exception], None], done: asyncio.Future[InferenceResponse],
+        answer: Callable[[InferenceResponse | Exception], None], result: InferenceResponse | BaseException,
     ) -> None:
+        """Called by the scheduler as the request's batch completes: counted as `infer` counts it, then answered.
+        Raises nothing (the other requests of the batch are answered after it)."""
         self._leave()
-        if done.cancelled():
-            request.cancelled = True
-            model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
-            return
-        result: InferenceResponse | Exception
+        outcome: InferenceResponse | Exception
         try:
-            result = self._succeeded(model, request, done.result(), started)
+            if isinstance(result, BaseException):
+                outcome = result if isinstance(result, Exception) else InternalError(f"execution failed: {result!r}")
+                model.statistics.record_failure(time.monotonic_ns() - started, outcome)
+            else:
+                outcome = self._succeeded(model, request, result, started)
         except Exception as exc:  # as in `_run`
             model.statistics.record_failure(time.monotonic_ns() - started, exc)
-            result = exc
-        answer(result)
+            outcome = exc
+        try:
+            answer(outcome)
+        except Exception:
+            logger.exception("answering an inference of model '%s' failed", model.name)
 
     async def infer_stream(
         self, request: InferenceRequest, context: CallContext = IN_PROCESS
