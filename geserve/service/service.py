@@ -316,15 +316,19 @@ class InferenceService:
         try:
             started = time.monotonic_ns()
             self._prepare(model, request, context)
-            try:
-                response = self._succeeded(model, request, model.scheduler.answer_now(request), started)
-            except Exception as exc:  # as in `_run`
-                model.statistics.record_failure(time.monotonic_ns() - started, exc)
-                raise
+            response = self._answered_now(model, request, started)
             self._place_outputs(request, response)
             return response
         finally:
             self._leave()
+
+    @staticmethod
+    def _answered_now(model: ReadyModel, request: InferenceRequest, started: int) -> InferenceResponse:
+        try:
+            return InferenceService._succeeded(model, request, model.scheduler.answer_now(request), started)
+        except Exception as exc:  # as in `_run`
+            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            raise
 
     def model_soon(self, name: str, version: str = "") -> ReadyModel | None:
         """The model, when a frontend may hand it requests it prepared itself (`infer_soon`, `infer_prepared_now`):
@@ -350,12 +354,7 @@ class InferenceService:
             return None
         self._enter()
         try:
-            started = time.monotonic_ns()
-            try:
-                return self._succeeded(model, request, model.scheduler.answer_now(request), started)
-            except Exception as exc:  # as in `_run`
-                model.statistics.record_failure(time.monotonic_ns() - started, exc)
-                raise
+            return self._answered_now(model, request, time.monotonic_ns())
         finally:
             self._leave()
 

@@ -117,13 +117,13 @@ class ExpressLane:
         path: str, request: InferenceRequest, headers: dict[bytes, bytes], deliver: Deliver,
         result: InferenceResponse | Exception,
     ) -> None:
-        if isinstance(result, Exception):
-            deliver((*error_response(result, "POST", path), None))
-        else:
-            try:
-                deliver((*infer_response(result, request, headers), None))
-            except Exception as exc:  # an output the encoder refuses: answered as the routed path answers it
-                deliver((*error_response(exc, "POST", path), None))
+        try:
+            if isinstance(result, Exception):
+                raise result
+            answer = infer_response(result, request, headers)
+        except Exception as exc:  # also an output the encoder refuses: answered as the routed path answers it
+            answer = error_response(exc, "POST", path)
+        deliver((*answer, None))
 
     def learn(self, path: str, body: bytes, header_length: int | None) -> None:
         """After the routed path served `body` to `path` successfully: keep its plan if the lane can replay it."""
@@ -131,9 +131,11 @@ class ExpressLane:
             return
         header = body[:header_length]
         key = (path, header)
+        if key in self._plans:  # known already (this request bypassed the queue, or the lane declined it)
+            return
         target = infer_target(path)
         decode = known_header(header)
-        if key in self._plans or target is None or decode is None:
+        if target is None or decode is None:
             return
         model = self._service.model_soon(*target)
         if model is None:
