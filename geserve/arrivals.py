@@ -52,10 +52,7 @@ class Arrivals:
         The settling time keeps the delay's meaning for clients that connect together to send a batch's worth (a
         new connection's peers may still be on their way); once connections persist, the delay only waits for
         requests that cannot come."""
-        return (
-            not (self.idle_clients or self.in_transit or self.open_ended or self.executing)
-            and time.monotonic_ns() - self.newest_client_ns >= settled_ns
-        )
+        return self.closed() and time.monotonic_ns() - self.newest_client_ns >= settled_ns
 
 
 ARRIVALS = Arrivals()

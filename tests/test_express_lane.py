@@ -221,7 +221,8 @@ def test_a_client_that_goes_away_withdraws_its_queued_lane_request(tmp_path: Pat
         # Taught without waiting out the 30 s delay: the routed path decodes, then the lane learns once served.
         payload = data.split(b"\r\n\r\n", 1)[1]
         decode_infer_request(payload, header_length, "held", "")
-        frontend.lane.learn("/v2/models/held/infer", payload, header_length)
+        known = {b"inference-header-content-length": b"%d" % header_length}
+        frontend.lane.learn("/v2/models/held/infer", known, payload)
         assert frontend.lane._plans
         connection, transport = connect(http)
         connection.data_received(data)

@@ -292,8 +292,8 @@ class HttpFrontend:
             extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
             return 404, error_body(exc.message), TEXT, extra
         answer = infer_response(response, request, headers)
-        if isinstance(source, bytes) and b"inference-header-content-length" in headers:  # the native server's
-            self.lane.learn(path, body, _header_length(headers, len(body)))
+        if isinstance(source, bytes):  # the native server's, which takes the lane
+            self.lane.learn(path, headers, body)
         return answer
 
     def respond_soon(
@@ -334,8 +334,7 @@ class HttpFrontend:
             status, payload, content_type, extra = infer_response(
                 self._service.infer_now(model, request, context), request, headers
             )
-            if b"inference-header-content-length" in headers:
-                self.lane.learn(path, body, _header_length(headers, len(body)))
+            self.lane.learn(path, headers, body)
         except Exception as exc:
             status, payload, content_type, extra = error_response(exc, method, path)
         return status, payload, content_type, extra, None

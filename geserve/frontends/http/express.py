@@ -35,6 +35,7 @@ class _Plan:
     """How a request with these header bytes becomes its model's prepared request."""
 
     model: ReadyModel
+    target: tuple[str, str]  # the model's name and version as the path gives them
     decode: KnownHeader
     order: tuple[int, ...] | None  # where each of the model's inputs is among the header's; None: the same order
     batch_size: int
@@ -92,21 +93,19 @@ class ExpressLane:
     ) -> tuple[ReadyModel, InferenceRequest] | None:
         """The request its plan makes of `body`, and its model; None where the lane has no plan for it, or one for a
         model that does not queue (`queued`) or does (not `queued`)."""
-        raw_length = headers.get(b"inference-header-content-length")
-        if raw_length is None or not raw_length.isdigit() or b"content-encoding" in headers \
-                or b"transfer-encoding" in headers or len(body) > self._max_input_size:
+        length = _header_length(headers)
+        if length is None or b"content-encoding" in headers or b"transfer-encoding" in headers \
+                or len(body) > self._max_input_size:
             return None
-        length = int(raw_length)
         key = (path, body[:length])
         plan = self._plans.get(key)
         if plan is None or plan.queues is not queued or length + plan.decode.data_size != len(body):
             return None
         model = plan.model
-        target = infer_target(path)
-        if target is None or self._service.model_soon(*target) is not model:  # reloaded, unloaded, now traced, ...
+        if self._service.model_soon(*plan.target) is not model:  # reloaded, unloaded, now traced, ...
             del self._plans[key]  # learnt again from the routed path's next success
             return None
-        request = plan.decode.request(body, length, *target)
+        request = plan.decode.request(body, length, *plan.target)
         if plan.order is not None:
             request.inputs = [request.inputs[i] for i in plan.order]
         request.batch_size = plan.batch_size
@@ -117,16 +116,19 @@ class ExpressLane:
         path: str, request: InferenceRequest, headers: dict[bytes, bytes], deliver: Deliver,
         result: InferenceResponse | Exception,
     ) -> None:
-        try:
-            if isinstance(result, Exception):
-                raise result
-            answer = infer_response(result, request, headers)
-        except Exception as exc:  # also an output the encoder refuses: answered as the routed path answers it
-            answer = error_response(exc, "POST", path)
+        if isinstance(result, Exception):
+            answer = error_response(result, "POST", path)
+        else:
+            try:
+                answer = infer_response(result, request, headers)
+            except Exception as exc:  # an output the encoder refuses: answered as the routed path answers it
+                answer = error_response(exc, "POST", path)
         deliver((*answer, None))
 
-    def learn(self, path: str, body: bytes, header_length: int | None) -> None:
-        """After the routed path served `body` to `path` successfully: keep its plan if the lane can replay it."""
+    def learn(self, path: str, headers: dict[bytes, bytes], body: bytes) -> None:
+        """After the routed path served `body` (its content codings undone) to `path` successfully: keep its plan if the
+        lane can replay it."""
+        header_length = _header_length(headers)
         if not header_length or header_length >= len(body):
             return
         header = body[:header_length]
@@ -150,6 +152,12 @@ class ExpressLane:
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = _Plan(
-            model, decode, None if order == tuple(range(len(order))) else order, request.batch_size,
+            model, target, decode, None if order == tuple(range(len(order))) else order, request.batch_size,
             hasattr(model.scheduler, "submit"),
         )
+
+
+def _header_length(headers: dict[bytes, bytes]) -> int | None:
+    """`Inference-Header-Content-Length` where it is a plain number (the routed path words every other fault)."""
+    raw = headers.get(b"inference-header-content-length")
+    return int(raw) if raw is not None and raw.isdigit() else None
