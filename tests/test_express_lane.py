@@ -148,7 +148,7 @@ async def answers(transport: KeepingTransport, count: int) -> list[tuple[bytes, 
         if transport.written.count(b"HTTP/1.1 ") >= count:
             break
         await asyncio.sleep(0.01)
-    return split_responses(transport.written)
+    return split_responses(transport.written.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n"))
 
 
 def stats(server: Server, model: str) -> dict[str, Any]:
@@ -260,6 +260,93 @@ def test_a_reloaded_model_is_not_served_from_the_old_plan(tmp_path: Path) -> Non
         assert outputs_of(back)["OUTPUT0"] == [3] * 16
         assert frontend.lane._plans[("/v2/models/queued/infer", data.split(b"\r\n\r\n", 1)[1][
             :int(data.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])])].model is not plan.model
+
+    in_process(tmp_path, body)
+
+
+class CountingParser:
+    """httptools' parser, counting the reads it is fed (the connection's replay feeds it none)."""
+
+    def __init__(self, parser: Any) -> None:
+        self._parser = parser
+        self.fed = 0
+
+    def feed_data(self, data: bytes) -> None:
+        self.fed += 1
+        self._parser.feed_data(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
+def test_a_repeated_head_is_answered_without_parsing_it_again(tmp_path: Path) -> None:
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        server.service._manager.get("unbatched").scheduler._pool._typical_ns = 1  # runs on the loop: answered now
+        for model, split in (("queued", False), ("unbatched", False), ("queued", True), ("unbatched", True)):
+            connection, transport = connect(http)
+            parser = connection._parser = CountingParser(connection._parser)
+            for value in range(6):  # routed, then the lane (the head is learnt), then replayed
+                data = request_bytes(model, value)
+                if split:  # as libcurl sends it: the head, then the body (here in two reads)
+                    cut = data.index(b"\r\n\r\n") + 4
+                    for start, end in ((0, cut), (cut, cut + 100), (cut + 100, len(data))):
+                        connection.data_received(data[start:end])
+                else:
+                    connection.data_received(data)
+                (answer,) = await answers(transport, 1)
+                transport.written = b""
+                assert outputs_of(answer) == {"OUTPUT0": [value + 1] * 16, "OUTPUT1": [value - 1] * 16}
+            assert connection._replay is not None and parser.fed < (18 if split else 6)
+            # Two requests in one read are parsed (and answered in order), as is a body of another length.
+            fed = parser.fed
+            connection.data_received(request_bytes(model, 7) + request_bytes(model, 8))
+            assert [outputs_of(a)["OUTPUT0"][0] for a in await answers(transport, 2)] == [8, 9]
+            transport.written = b""
+            data = request_bytes(model, 10)  # a held head whose body comes with the next request
+            cut = data.index(b"\r\n\r\n") + 4
+            connection.data_received(data[:cut])
+            connection.data_received(data[cut:] + request_bytes(model, 11))
+            assert [outputs_of(a)["OUTPUT0"][0] for a in await answers(transport, 2)] == [11, 12]
+            transport.written = b""
+            connection.data_received(request_bytes(model, 9, binary_outputs=False))
+            assert outputs_of((await answers(transport, 1))[0])["OUTPUT0"] == [10] * 16
+            assert parser.fed == fed + 3
+        assert stats(server, "queued")["inference_count"] == 22
+
+    in_process(tmp_path, body)
+
+
+def test_a_head_is_not_replayed_when_it_asks_for_more_than_its_bytes(tmp_path: Path) -> None:
+    """`Expect: 100-continue` (the server answers before the body) and a chunked body (the bytes read are not the
+    body) are parsed every time; a model unloaded under a replayed head is answered by the routed path."""
+    async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
+        data = request_bytes("queued", 1)
+        head, payload = data.split(b"\r\n\r\n", 1)
+        chunked = head.replace(b"Content-Length: %d" % len(payload), b"Transfer-Encoding: chunked")
+        kinds = {
+            b"expect": head + b"\r\nExpect: 100-continue\r\n\r\n" + payload,
+            b"chunked": chunked + b"\r\n\r\n" + b"%x\r\n" % len(payload) + payload + b"\r\n0\r\n\r\n",
+        }
+        for kind, data in kinds.items():
+            connection, transport = connect(http)
+            for _ in range(4):
+                connection.data_received(data)
+                (got,) = await answers(transport, 2 if kind == b"expect" else 1)  # after `100 Continue`
+                assert outputs_of(got)["OUTPUT0"] == [2] * 16, kind
+                assert transport.written.startswith(b"HTTP/1.1 100 Continue") is (kind == b"expect")
+                transport.written = b""
+            assert connection._replay is None, kind
+        connection, transport = connect(http)
+        for _ in range(3):
+            connection.data_received(data := request_bytes("queued", 1))
+            await answers(transport, 1)
+            transport.written = b""
+        assert connection._replay is not None
+        await server.service.unload_model("queued")
+        connection.data_received(data)
+        (gone,) = await answers(transport, 1)
+        assert gone[0].startswith(b"HTTP/1.1 404"), gone
+        assert connection._replay is None
 
     in_process(tmp_path, body)
 

@@ -3,7 +3,8 @@
 Written here because uvicorn spent ~100 µs of CPU per request on its ASGI plumbing where this spends ~30
 (measured on a trivial app): for small models that is most of the served latency. It does what the
 inference protocol needs: keep-alive, pipelining (answered in order), Content-Length and chunked request
-bodies, `Expect: 100-continue`, a body-size limit enforced while reading, and a graceful stop.
+bodies, `Expect: 100-continue`, a body-size limit enforced while reading, and a graceful stop. A client that
+repeats one kind of request gets its head replayed rather than parsed again (`_Replay`).
 
 Connection limits (`HttpLimits`, the --http-* flags) keep slow, idle and hostile clients from holding the
 server: a header-read timeout, an idle keep-alive timeout and a body-progress timeout (408), a cap on header
@@ -56,6 +57,8 @@ _NEW, _HEAD, _BODY, _IDLE = 0, 1, 2, 3  # connected, nothing yet / in a request'
 # Most bytes one data_received call can carry (asyncio's and uvloop's read size): a head still incomplete after
 # a read may have counted up to this many bytes of the previous request, so the raw guard allows for them.
 _READ_SLACK = 256 * 1024
+_REPLAY_MAX = 64 * 1024  # largest request (head and body) a connection replays (`_Replay`): parsing a larger one
+# costs little beside its bytes, and its reads are not joined
 _ACCEPT_RETRY_FIRST, _ACCEPT_RETRY_MAX = 0.05, 1.0  # seconds before accepting again when descriptors ran out
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _WARN_EVERY = 10.0  # seconds between two warnings of the same kind (a flood must not flood the log)
@@ -127,6 +130,20 @@ class _Request:
     """Set on a stand-in for a request that could not be parsed: the answer owed, in its turn, before closing."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """A request head this connection sent, and the request the app answered directly (`_answer_direct`) from it.
+    Parsing is a function of the bytes, so later reads that are the same head and a body of the same length (a client
+    repeating one kind of request: perf_analyzer, tritonclient) are that request again with the new body: answered
+    without httptools, its callbacks and a new `_Request` (about a third of an express lane request's Python). The
+    body may come in later reads (libcurl sends the head and the body apart); anything else is parsed."""
+
+    head: bytes
+    size: int  # the head and its body (the head's Content-Length)
+    request: _Request  # its body list is left empty: the body travels beside it
+    headers: dict[bytes, bytes]
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, server: NativeHttpServer, on_close: Callable[[], None] | None = None) -> None:
         self._server = server
@@ -140,6 +157,12 @@ class _Connection(asyncio.Protocol):
         self._body_size = 0
         self._worker: asyncio.Task[None] | None = None
         self._owed: Callable[[], None] | None = None  # withdraws the request the app answers later (respond_soon)
+        self._replay: _Replay | None = None
+        self._held = b""  # a replayed head and the part of its body read so far
+        self._messages = 0  # requests begun
+        self._raw: bytes | None = None  # the reads since a request began at the start of one (to learn a replay)
+        self._raw_begun = 0  # `_messages` before it
+        self._answered_directly: tuple[_Request, dict[bytes, bytes], bytes] | None = None  # in this read
         self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._paused = False
         self._closing = False
@@ -186,6 +209,24 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing or self._stopped_reading:
             return
+        replay = self._replay
+        if replay is not None and (self._held or self._phase == _IDLE) and not self._owing():
+            if self._held:
+                data, self._held = self._held + data, b""
+                self._phase = _IDLE  # the parser saw none of it: what is not replayed is parsed from its start
+            if len(data) <= replay.size and data.startswith(replay.head):
+                self._since = self._server.clock
+                if len(data) < replay.size:  # the body is on its way
+                    self._held = data
+                    self._phase = _BODY
+                    return
+                if self._answer_direct(replay.request, replay.headers, data[len(replay.head):]):
+                    return
+                self._replay = None  # the app routes it now (a model reloaded, unloaded, ...): parsed as any other
+        if self._phase == _IDLE or self._phase == _NEW:
+            self._raw, self._raw_begun = (data if len(data) <= _REPLAY_MAX else None), self._messages
+        elif self._raw is not None:
+            self._raw = self._raw + data if len(self._raw) + len(data) <= _REPLAY_MAX else None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -202,10 +243,27 @@ class _Connection(asyncio.Protocol):
             self._head_raw += len(data)
             if self._head_raw > self._server.max_header_size + _READ_SLACK:
                 self._reject(431, self._server.head_too_large)
+        answered, self._answered_directly = self._answered_directly, None
+        raw, one = self._raw, self._messages == self._raw_begun + 1
+        if raw is not None and (self._phase == _IDLE or not one):  # reads that ended a message, or held two
+            self._raw = None
+            if answered is not None and one and self._phase == _IDLE:
+                self._learn_replay(raw, *answered)
+
+    def _learn_replay(self, raw: bytes, request: _Request, headers: dict[bytes, bytes], body: bytes) -> None:
+        """Keep the head of `raw`, the bytes of one whole request the app answered directly, for `_Replay`: only a
+        head whose body is the raw bytes read (Content-Length, no transfer coding) and that asks nothing of the server
+        while its body is read (no `Expect`)."""
+        if b"content-length" not in headers or b"transfer-encoding" in headers or b"expect" in headers:
+            return
+        head = raw[: len(raw) - len(body)]
+        if head.endswith(b"\r\n\r\n"):
+            self._replay = _Replay(head, len(raw), request, headers)
 
     # ---- httptools callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._messages += 1
         self._url = b""
         self._headers = []
         self._body_size = 0
@@ -273,8 +331,14 @@ class _Connection(asyncio.Protocol):
         request, self._current = self._current, None
         if request is None or self._closing:
             return
-        if not self._owing() and self._answer_direct(request):
-            return
+        if not self._owing() and not request.too_large and request.rejection is None:
+            body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
+            headers = dict(request.headers)
+            request.body = []
+            if self._answer_direct(request, headers, body):
+                self._answered_directly = (request, headers, body)
+                return
+            request.body = [body]
         self._pending.append(request)
         ARRIVALS.in_transit += 1
         if self._idle:
@@ -353,17 +417,14 @@ class _Connection(asyncio.Protocol):
             return False
         return request.keep_alive and not response.close_requested
 
-    def _answer_direct(self, request: _Request) -> bool:
+    def _answer_direct(self, request: _Request, headers: dict[bytes, bytes], body: bytes) -> bool:
         """Answer a request without the connection's task, where the app can (called only when no earlier request
         of this connection is owed an answer): at once (DirectApp.respond_now: an inference its model runs on the
         loop), or later through `_delivered` (DirectApp.respond_soon: HTTP's express lane). False: the request was
         left untouched, to be answered in its turn (`_answer_pending`)."""
         app = self._server.direct
-        if app is None or request.too_large or request.rejection is not None:
+        if app is None:
             return False
-        body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
-        request.body = [body]
-        headers = dict(request.headers)
         idle = self._idle
         if idle:  # counted before the app queues it: the client waits on an answer (a batch need not wait for it)
             self._idle = False
