@@ -198,6 +198,20 @@ def raw_in_child(model_dir: Path, budget_s: float) -> RawResult:
         return pool.submit(raw_onnxruntime, model_dir, budget_s).result()
 
 
+def raw_rows(model_dir: Path, batch: int, budget_s: float) -> float:
+    """Rows/s of one in-process session at one batch size (runs in a child process)."""
+    config = load_config(model_dir)
+    session = geserve_session(onnx_path(model_dir, config), threads_per_instance(instance_count(config)))
+    calls = timed_calls(session, random_inputs(config, batch), budget_s)
+    return batch * len(calls) / sum(calls)
+
+
+def raw_rows_in_child(model_dir: Path, batch: int, budget_s: float) -> float:
+    """`raw_rows` in a fresh process (see raw_in_child)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(raw_rows, model_dir, batch, budget_s).result()
+
+
 # ---------------------------------------------------------------------------------- perf_analyzer
 
 
