@@ -33,7 +33,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 from urllib.parse import unquote
 
 import httptools
@@ -331,7 +331,8 @@ class _Connection(asyncio.Protocol):
         request, self._current = self._current, None
         if request is None or self._closing:
             return
-        if not self._owing() and not request.too_large and request.rejection is None:
+        if self._server.direct is not None and not self._owing() and not request.too_large \
+                and request.rejection is None:
             body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
             headers = dict(request.headers)
             request.body = []
@@ -422,9 +423,7 @@ class _Connection(asyncio.Protocol):
         of this connection is owed an answer): at once (DirectApp.respond_now: an inference its model runs on the
         loop), or later through `_delivered` (DirectApp.respond_soon: HTTP's express lane). False: the request was
         left untouched, to be answered in its turn (`_answer_pending`)."""
-        app = self._server.direct
-        if app is None:
-            return False
+        app = cast(DirectApp, self._server.direct)  # only called where the server has one
         idle = self._idle
         if idle:  # counted before the app queues it: the client waits on an answer (a batch need not wait for it)
             self._idle = False
