@@ -335,8 +335,8 @@ class _Connection(asyncio.Protocol):
                 and request.rejection is None:
             body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
             headers = dict(request.headers)
-            request.body = []
             if self._answer_direct(request, headers, body):
+                request.body = []  # it may become a replay's request, which carries no body
                 self._answered_directly = (request, headers, body)
                 return
             request.body = [body]
