@@ -179,37 +179,38 @@ def timed_calls(session: ort.InferenceSession, feeds: dict[str, np.ndarray], bud
     return samples
 
 
-def raw_onnxruntime(model_dir: Path, budget_s: float) -> RawResult:
-    """Batch-1 latency and rows/s per batch size of one in-process session (runs in a child process)."""
+def raw_session(model_dir: Path) -> tuple[model_config_pb2.ModelConfig, ort.InferenceSession]:
+    """The model's config and one session with geserve's options and the threads one of its instances gets."""
     config = load_config(model_dir)
-    session = geserve_session(onnx_path(model_dir, config), threads_per_instance(instance_count(config)))
-    latency = timed_calls(session, random_inputs(config, 1), budget_s)
-    throughput = {}
-    for batch in (b for b in BATCH_SIZES if b <= max(1, config.max_batch_size)):
-        calls = timed_calls(session, random_inputs(config, batch), budget_s)
-        throughput[batch] = batch * len(calls) / sum(calls)
-    micros = np.array(latency) * 1e6
-    return RawResult(float(np.percentile(micros, 50)), float(np.percentile(micros, 99)), throughput)
+    return config, geserve_session(onnx_path(model_dir, config), threads_per_instance(instance_count(config)))
 
 
-def raw_in_child(model_dir: Path, budget_s: float) -> RawResult:
-    """Run raw_onnxruntime in a fresh process so its thread pool never competes with a server."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(raw_onnxruntime, model_dir, budget_s).result()
-
-
-def raw_rows(model_dir: Path, batch: int, budget_s: float) -> float:
-    """Rows/s of one in-process session at one batch size (runs in a child process)."""
-    config = load_config(model_dir)
-    session = geserve_session(onnx_path(model_dir, config), threads_per_instance(instance_count(config)))
+def rows_per_second(session: ort.InferenceSession, config: model_config_pb2.ModelConfig, batch: int,
+                    budget_s: float) -> float:
     calls = timed_calls(session, random_inputs(config, batch), budget_s)
     return batch * len(calls) / sum(calls)
 
 
-def raw_rows_in_child(model_dir: Path, batch: int, budget_s: float) -> float:
-    """`raw_rows` in a fresh process (see raw_in_child)."""
+def raw_onnxruntime(model_dir: Path, budget_s: float) -> RawResult:
+    """Batch-1 latency and rows/s per batch size of one in-process session (runs in a child process)."""
+    config, session = raw_session(model_dir)
+    latency = timed_calls(session, random_inputs(config, 1), budget_s)
+    throughput = {batch: rows_per_second(session, config, batch, budget_s)
+                  for batch in BATCH_SIZES if batch <= max(1, config.max_batch_size)}
+    micros = np.array(latency) * 1e6
+    return RawResult(float(np.percentile(micros, 50)), float(np.percentile(micros, 99)), throughput)
+
+
+def raw_rows(model_dir: Path, batch: int, budget_s: float) -> float:
+    """Rows/s of one in-process session at one batch size (runs in a child process)."""
+    config, session = raw_session(model_dir)
+    return rows_per_second(session, config, batch, budget_s)
+
+
+def in_child(function: Callable[..., T], *args: object) -> T:
+    """`function(*args)` in a fresh process, so its ONNX Runtime thread pool never competes with a server."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(raw_rows, model_dir, batch, budget_s).result()
+        return pool.submit(function, *args).result()
 
 
 # ---------------------------------------------------------------------------------- perf_analyzer
@@ -379,7 +380,8 @@ def run_round(round_index: int, models: list[str], eps: list[Endpoint], mode: Mo
     """One round: each model's raw measurement, then every endpoint (in a rotated order) at each concurrency."""
     order = eps[round_index % len(eps):] + eps[: round_index % len(eps)]
     for model in models:
-        raw = guarded(partial(raw_in_child, EXAMPLES / model, mode.raw_budget_s), f"{model} raw", mode, samples)
+        raw = guarded(partial(in_child, raw_onnxruntime, EXAMPLES / model, mode.raw_budget_s), f"{model} raw", mode,
+                      samples)
         samples.raw.setdefault(model, []).append(raw)
         print(f"  {model} raw: p50 {raw.p50_us:.0f} µs, best {max(raw.throughput.values()):.0f} rows/s", flush=True)
         window = window_ms(mode, raw.p50_us)

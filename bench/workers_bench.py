@@ -381,7 +381,8 @@ def run_round(index: int, cells: list[Cell], servers: dict[str, Server], mode: M
         order = group[index % len(group):] + group[: index % len(group)]
         window = mode.window_ms
         if section == "resnet":
-            raw = harness.guarded(partial(harness.raw_in_child, harness.EXAMPLES / "resnet50", mode.raw_budget_s),
+            raw = harness.guarded(partial(harness.in_child, harness.raw_onnxruntime, harness.EXAMPLES / "resnet50",
+                                          mode.raw_budget_s),
                                   "resnet50 raw", mode, samples)
             results.raw.append(raw)
             best = max(raw.throughput, key=raw.throughput.__getitem__)
@@ -403,8 +404,8 @@ def run_round(index: int, cells: list[Cell], servers: dict[str, Server], mode: M
         if section == "resnet":
             # The sweep's best is the largest of six noisy figures, so it reads high (the winner's curse: about 5%
             # on this VM): the yardstick is the best batch measured again, on its own, right after geserve's cell.
-            rows = harness.guarded(partial(harness.raw_rows_in_child, harness.EXAMPLES / "resnet50", best,
-                                           RAW_CHECK_S), "resnet50 raw best batch", mode, samples)
+            rows = harness.guarded(partial(harness.in_child, harness.raw_rows, harness.EXAMPLES / "resnet50",
+                                           best, RAW_CHECK_S), "resnet50 raw best batch", mode, samples)
             results.raw_again.append(rows)
             if rows is not None:
                 print(f"  ResNet-50 raw again at b={best}: {rows:.1f} rows/s", flush=True)
