@@ -169,13 +169,16 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", type=Path, required=True, help="model.onnx, a PyTorch .pt, a TensorFlow SavedModel/.pb, or a .gem")
+    add("--model", type=Path, required=True,
+        help="model.onnx, a PyTorch .pt, a TensorFlow SavedModel folder, frozen .pb / .graphdef or Keras .keras file, "
+             "or a .gem")
     add("--output", type=Path, help="the compiled model to write (.gem)")
     add("--info", action="store_true", help="print the manifest of the .gem given as --model (like atc --mode=6)")
     add("--framework", choices=["onnx", "pytorch", "tensorflow"], help="default: from the file name")
     add("--input-shape", help='"name:d0,d1,...;name2:..." with -1 for a dynamic dimension')
     add("--dynamic-batch-size", help="batch gears, e.g. 1,2,4,8 (the batcher pads batches up to one)")
     add("--out-nodes", help="comma-separated tensors (or node names) to cut the graph at")
+    add("--signature", help="a TensorFlow SavedModel's signature to convert (default: serving_default)")
     add("--precision-mode", default="force_fp32",
         choices=["force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp16", "allow_mix_precision"])
     add("--keep-io-types", default="true", help="keep FP32 inputs/outputs when converting to FP16 (default true)")
@@ -183,6 +186,9 @@ def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add("--calibration-data", type=Path,
         help="for --quantize int8: a folder of .npy/.npz batches, or a callable file.py:function / module:function")
     add("--insert-op-conf", type=Path, help="AIPP-style preprocessing JSON to fold into the graph")
+    add("--custom-op-library", type=Path, action="append", metavar="PATH",
+        help="a custom-op library (.so) the graph needs; repeatable. The package records it (a relative PATH as "
+             "given, else its file name) and the served model loads it from its model folder, next to config.pbtxt")
     add("--target", choices=["cpu", "cuda", "npu"], default="cpu")
     add("--encrypt-key-file", type=Path, help="encrypt with AES-256-GCM using this 32-byte (or 64-hex) key")
     add("--no-optimize", action="store_true", help="skip ONNX Runtime's graph optimization")

@@ -49,6 +49,8 @@ def _completed(text: str, model_dir: Path, files: tuple[str, ...] = ()) -> Model
         ('name: "m" backend: "npu_ge"', (), "", "npu_ge"),
         ('name: "m" backend: "python"', (), "", "python"),
         ('name: "m" platform: "ensemble"', (), "ensemble", ""),
+        ('name: "m"', ("model.graphdef",), "tensorflow_graphdef", "tensorflow"),
+        ('name: "m" platform: "tensorflow_savedmodel"', (), "tensorflow_savedmodel", "tensorflow"),
     ],
 )
 def test_platform_and_backend_are_completed_as_triton_does(
@@ -58,10 +60,20 @@ def test_platform_and_backend_are_completed_as_triton_does(
     assert (config.platform, config.backend) == (platform, backend)
 
 
+def test_a_platform_names_its_default_model_file_as_triton_does(tmp_path: Path) -> None:
+    assert _completed('name: "m" platform: "tensorflow_savedmodel"', tmp_path / "m").default_model_filename == (
+        "model.savedmodel")
+    assert _completed('name: "m"', tmp_path / "g", ("model.graphdef",)).default_model_filename == "model.graphdef"
+    assert _completed('name: "m" platform: "graph_executor"', tmp_path / "m").default_model_filename == ""
+    named = 'name: "m" platform: "tensorflow_graphdef" default_model_filename: "frozen.pb"'
+    assert _completed(named, tmp_path / "m").default_model_filename == "frozen.pb"
+
+
 def test_an_unknown_platform_is_refused_with_the_supported_ones(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     with pytest.raises(InvalidArgumentError, match="unexpected platform type 'tensorrt_plan' for m; supported: "
-                       "ensemble, graph_executor, onnxruntime_onnx"):
+                       "ensemble, graph_executor, onnxruntime_onnx, tensorflow_graphdef, "
+                       "tensorflow_savedmodel"):
         _completed('name: "m" platform: "tensorrt_plan"', tmp_path / "m")
 
 
@@ -69,9 +81,11 @@ def test_backend_for_names_the_backend_or_says_what_exists() -> None:
     registry = _registry()
     assert isinstance(registry.backend_for(parse_config_text('name: "m" backend: "npu_ge"', "t")), GeBackend)
     assert isinstance(registry.backend_for(parse_config_text('name: "e" platform: "ensemble"', "t")), EnsembleBackend)
-    with pytest.raises(InvalidArgumentError, match="unable to find backend 'tensorflow' for model 'm'; this server "
-                       "provides: ensemble, ge, npu_ge, onnxruntime, python"):
-        registry.backend_for(parse_config_text('name: "m" backend: "tensorflow"', "t"))
+    # Triton's TensorFlow models are converted to ONNX and run by the GE backend.
+    assert isinstance(registry.backend_for(parse_config_text('name: "m" backend: "tensorflow"', "t")), GeBackend)
+    with pytest.raises(InvalidArgumentError, match="unable to find backend 'pytorch' for model 'm'; this server "
+                       "provides: ensemble, ge, npu_ge, onnxruntime, python, tensorflow"):
+        registry.backend_for(parse_config_text('name: "m" backend: "pytorch"', "t"))
     with pytest.raises(InvalidArgumentError, match="model 'm' names no 'backend' or 'platform'"):
         registry.backend_for(parse_config_text('name: "m"', "t"))
 

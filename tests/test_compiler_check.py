@@ -95,8 +95,8 @@ def _mlp_config(name: str, extra: str = "") -> str:
 
 
 def test_custom_ops_library_errors_are_unavailable(mlp: Path, tmp_path: Path) -> None:
-    """No real custom-op library is available here (ONNX Runtime's test one is not shipped in the wheel), so
-    this checks the error paths: a missing library, and a file that is not a custom-op library."""
+    """The `custom_ops` parameter's error paths: a missing library, and a file that is not a custom-op library
+    (tests/test_compiler_custom_ops.py compiles and serves a real one, onnxruntime-extensions')."""
     model_dir = tmp_path / "mlp_custom"
     (model_dir / "1").mkdir(parents=True)
     shutil.copy(mlp, model_dir / "1" / "model.onnx")

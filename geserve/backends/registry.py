@@ -18,6 +18,20 @@ BACKEND_KINDS: tuple[BackendKind, ...] = (ge.BACKEND_KIND, python.BACKEND_KIND, 
 _BY_NAME = {name: kind for kind in BACKEND_KINDS for name in kind.names}
 _BY_PLATFORM = {platform: kind for kind in BACKEND_KINDS for platform in kind.platforms}
 _MODEL_FILES = {file: selected for kind in BACKEND_KINDS for file, selected in kind.model_files.items()}
+# A platform's default model file (Triton's `model.savedmodel` for tensorflow_savedmodel, ...), where it has one.
+_FILE_OF_PLATFORM = {platform: file for file, (platform, _) in _MODEL_FILES.items() if platform}
+
+
+def _detect_from_files(config: ModelConfig, model_dir: Path) -> tuple[str, str]:
+    """(platform, backend) of the first version folder's model file that selects a kind; empty when none does."""
+    for version_dir in sorted(p for p in model_dir.iterdir() if p.name.isdigit()):
+        for filename, (platform, backend) in _MODEL_FILES.items():
+            named = config.default_model_filename  # a named file counts for the kind its suffix says
+            if named and Path(named).suffix != Path(filename).suffix:
+                continue
+            if (version_dir / (named or filename)).exists():
+                return platform, backend
+    return "", ""
 
 
 class BackendRegistry:
@@ -43,14 +57,7 @@ class BackendRegistry:
     def complete_platform(self, config: ModelConfig, model_dir: Path) -> None:
         """Triton derives the backend from the platform (and the platform from the model file) when absent."""
         if not config.platform and not config.backend:
-            for version_dir in sorted(p for p in model_dir.iterdir() if p.name.isdigit()):
-                for filename, (platform, backend) in _MODEL_FILES.items():
-                    named = config.default_model_filename  # a named file counts for the kind its suffix says
-                    if named and Path(named).suffix != Path(filename).suffix:
-                        continue
-                    if (version_dir / (named or filename)).exists():
-                        config.platform, config.backend = platform, backend
-                        return
+            config.platform, config.backend = _detect_from_files(config, model_dir)
         if config.platform and not config.backend:
             kind = _BY_PLATFORM.get(config.platform)
             if kind is None:
@@ -63,6 +70,8 @@ class BackendRegistry:
             named_kind = _BY_NAME.get(config.backend)
             if named_kind is not None:
                 config.platform = named_kind.implied_platforms.get(config.backend, "")
+        if not config.default_model_filename:
+            config.default_model_filename = _FILE_OF_PLATFORM.get(config.platform, "")
 
     def backend_for(self, config: ModelConfig) -> Backend:
         name = config.backend

@@ -29,6 +29,9 @@ def format_manifest(path: Path) -> str:
     lines.append(f"  {'nodes':<17} {counts.get('source', '?')} in the source, {counts.get('compiled', '?')} compiled")
     if "before_optimization" in counts:
         lines.append(f"  {'optimization':<17} {counts['before_optimization']} -> {counts['after_optimization']} nodes")
+    if manifest.custom_op_domains or manifest.custom_op_libraries:
+        libraries = ", ".join(manifest.custom_op_libraries) or "no library recorded"
+        lines.append(f"  {'custom ops':<17} {', '.join(manifest.custom_op_domains) or '-'} ({libraries})")
     lines.append(f"  {'options':<17} {json.dumps(data['options'], sort_keys=True)}")
     return "\n".join(lines)
 
@@ -40,6 +43,7 @@ def options_from_args(args: argparse.Namespace) -> CompileOptions:
         input_shapes=parse_input_shapes(args.input_shape or ""),
         batch_gears=parse_int_list(args.dynamic_batch_size or "", "--dynamic-batch-size"),
         out_nodes=[n.strip() for n in (args.out_nodes or "").replace(";", ",").split(",") if n.strip()],
+        signature=args.signature or "",
         precision_mode=args.precision_mode,
         keep_io_types=parse_bool(args.keep_io_types, "--keep-io-types"),
         quantize=args.quantize,
@@ -47,6 +51,7 @@ def options_from_args(args: argparse.Namespace) -> CompileOptions:
         insert_op_conf=args.insert_op_conf,
         target=args.target,
         optimize=not args.no_optimize,
+        custom_op_libraries=args.custom_op_library or [],
     )
 
 
@@ -112,7 +117,7 @@ def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: i
     import onnx
     import onnxruntime as ort
 
-    from geserve.compiler.compare import compare
+    from geserve.compiler.custom_ops import session_options
     from geserve.compiler.frontends import detect_framework, load_model
     from geserve.compiler.quantize import calibration_batches
     from geserve.compiler.shapes import ORT_TYPES
@@ -121,8 +126,11 @@ def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: i
     if framework == "onnx":
         source: bytes | str = str(options.model)
     else:
-        source = load_model(options.model, framework, options.input_shapes, options.out_nodes).SerializeToString()
-    sessions = [ort.InferenceSession(graph, providers=["CPUExecutionProvider"]) for graph in (source, onnx_bytes)]
+        source = load_model(
+            options.model, framework, options.input_shapes, options.out_nodes, options.signature
+        ).SerializeToString()
+    sessions = [ort.InferenceSession(graph, session_options(options.custom_op_libraries),
+                                     providers=["CPUExecutionProvider"]) for graph in (source, onnx_bytes)]
     compiled = sessions[1]
     types = {i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ORT_TYPES[i.type])) for i in compiled.get_inputs()}
     if data is not None:
@@ -139,11 +147,20 @@ def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: i
             for name, value in zip(names, session.run(names, feed), strict=True):
                 results[name][index].append(value)
     lines = [f"check: {len(batches)} batch(es) {'from ' + str(data) if data else 'of random inputs'}"]
-    for name, (golden, output) in results.items():
-        same = len({g.shape[1:] for g in golden}) == 1
-        joined = [np.concatenate(arrays if same else [a.ravel() for a in arrays]) for arrays in (golden, output)]
-        lines.append("check " + compare(*joined).describe(f"output '{name}'"))
-    return lines
+    return lines + [_check_line(name, golden, output) for name, (golden, output) in results.items()]
+
+
+def _check_line(name: str, golden: list[Any], output: list[Any]) -> str:
+    import numpy as np
+
+    from geserve.compiler.compare import compare
+
+    same = len({g.shape[1:] for g in golden}) == 1
+    joined = [np.concatenate(arrays if same else [a.ravel() for a in arrays]) for arrays in (golden, output)]
+    if joined[0].dtype == np.dtype(object):  # strings: equal or not
+        equal = int(sum(a == b for a, b in zip(joined[0].ravel(), joined[1].ravel(), strict=True)))
+        return f"check output '{name}': {equal}/{joined[0].size} strings equal"
+    return "check " + compare(*joined).describe(f"output '{name}'")
 
 
 def _random_inputs(session: Any, types: dict[str, Any], gears: list[int], rng: Any) -> dict[str, Any]:
@@ -160,6 +177,8 @@ def _random_inputs(session: Any, types: dict[str, Any], gears: list[int], rng: A
             feed[value.name] = rng.standard_normal(shape).astype(dtype)
         elif "mask" in value.name.lower():
             feed[value.name] = np.ones(shape, dtype)
+        elif dtype == np.dtype(object):  # string tensors (a custom tokenizer's, say): numbers as text
+            feed[value.name] = rng.integers(0, 100, shape).astype(str).astype(object)
         else:
             feed[value.name] = rng.integers(0, 100, shape).astype(dtype)
     return feed

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import io
-import tempfile
 from pathlib import Path
 
 import onnx
 
 from geserve.compiler.errors import CompilerError, MissingDependencyError
+from geserve.compiler.tensorflow import from_tensorflow, is_tensorflow_model
 
 OPSET = 17
-_SUFFIXES = {".onnx": "onnx", ".pt": "pytorch", ".pth": "pytorch", ".pb": "tensorflow"}
+_SUFFIXES = {".onnx": "onnx", ".pt": "pytorch", ".pth": "pytorch"}
 
 
 def detect_framework(path: Path) -> str:
-    if path.is_dir() and (path / "saved_model.pb").is_file():
+    if is_tensorflow_model(path):
         return "tensorflow"
     framework = _SUFFIXES.get(path.suffix.lower())
     if framework is None:
@@ -23,7 +23,9 @@ def detect_framework(path: Path) -> str:
     return framework
 
 
-def load_model(path: Path, framework: str, input_shapes: dict[str, list[int]], out_nodes: list[str]) -> onnx.ModelProto:
+def load_model(
+    path: Path, framework: str, input_shapes: dict[str, list[int]], out_nodes: list[str], signature: str = ""
+) -> onnx.ModelProto:
     if not path.exists():
         raise CompilerError(f"model {path} not found")
     if framework == "onnx":
@@ -33,7 +35,7 @@ def load_model(path: Path, framework: str, input_shapes: dict[str, list[int]], o
             raise CompilerError(f"failed to read ONNX model {path}: {exc}") from None
     if framework == "pytorch":
         return _from_pytorch(path, input_shapes, out_nodes)
-    return _from_tensorflow(path, input_shapes, out_nodes)
+    return from_tensorflow(path, input_shapes, out_nodes, signature)
 
 
 def _from_pytorch(path: Path, input_shapes: dict[str, list[int]], out_nodes: list[str]) -> onnx.ModelProto:
@@ -72,28 +74,3 @@ def _from_pytorch(path: Path, input_shapes: dict[str, list[int]], out_nodes: lis
     except Exception as exc:
         raise CompilerError(f"torch.onnx.export failed for {path}: {str(exc).splitlines()[0]}") from None
     return onnx.load_from_string(buffer.getvalue())
-
-
-def _from_tensorflow(path: Path, input_shapes: dict[str, list[int]], out_nodes: list[str]) -> onnx.ModelProto:
-    """A SavedModel folder or a frozen GraphDef `.pb` (which needs --input-shape and --out-nodes)."""
-    try:
-        import tf2onnx
-    except ImportError:
-        raise MissingDependencyError("tf2onnx", "tensorflow", "the TensorFlow front end") from None
-    with tempfile.TemporaryDirectory() as scratch:
-        target = str(Path(scratch) / "model.onnx")
-        try:
-            if path.is_dir():
-                model, _ = tf2onnx.convert.from_saved_model(str(path), opset=OPSET, output_path=target)
-            else:
-                if not input_shapes or not out_nodes:
-                    raise CompilerError("a frozen TensorFlow graph needs --input-shape and --out-nodes")
-                model, _ = tf2onnx.convert.from_graph_def(
-                    str(path), input_names=[f"{n}:0" for n in input_shapes],
-                    output_names=[f"{n}:0" for n in out_nodes], opset=OPSET, output_path=target,
-                )
-        except CompilerError:
-            raise
-        except Exception as exc:
-            raise CompilerError(f"tf2onnx failed for {path}: {str(exc).splitlines()[0]}") from None
-    return model

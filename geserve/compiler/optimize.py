@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 
+from geserve.compiler.custom_ops import session_options
 from geserve.compiler.errors import CompilerError
 
 # The highest level whose saved graph still runs on the target: EXTENDED fusions are CPU-EP contrib ops
@@ -19,13 +21,12 @@ LEVELS = {
 TARGET_LEVEL = {"cpu": "extended", "cuda": "basic", "npu": "basic"}
 
 
-def optimize(model: onnx.ModelProto, level: str) -> onnx.ModelProto:
+def optimize(model: onnx.ModelProto, level: str, custom_op_libraries: Sequence[Path] = ()) -> onnx.ModelProto:
     with tempfile.TemporaryDirectory(prefix="geserve-compile-") as scratch:
         target = Path(scratch) / "optimized.onnx"
-        options = ort.SessionOptions()
+        options = session_options(custom_op_libraries)
         options.graph_optimization_level = LEVELS[level]
         options.optimized_model_filepath = str(target)
-        options.log_severity_level = 3
         try:
             ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
             return onnx.load(str(target))

@@ -23,14 +23,19 @@ class CompileOptions:
     input_shapes: dict[str, list[int]] = field(default_factory=dict)  # -1: dynamic
     batch_gears: list[int] = field(default_factory=list)
     out_nodes: list[str] = field(default_factory=list)
+    signature: str = ""  # a TensorFlow SavedModel's signature; "": serving_default (or its only one)
     precision_mode: str = "force_fp32"
     keep_io_types: bool = True
+    keep_fp32: list[str] = field(default_factory=list)  # node names or op types kept out of FP16 / INT8 (keep.py)
     quantize: str = "none"
     calibration_data: Path | None = None
     per_channel: bool = True
     insert_op_conf: Path | None = None
     target: str = "cpu"
     optimize: bool = True
+    # Custom-op libraries (.so) registered in every ONNX Runtime session of the compile; the package records their
+    # names (custom_ops.library_names) and the served model finds them relative to its model folder.
+    custom_op_libraries: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -44,6 +49,10 @@ class CompileOptions:
         if self.batch_gears and (min(self.batch_gears) < 1):
             raise CompilerError(f"batch gears must be >= 1, got {self.batch_gears}")
         self.batch_gears = sorted(set(self.batch_gears))
+        self.custom_op_libraries = [Path(library) for library in self.custom_op_libraries]
+        for library in self.custom_op_libraries:  # checked here: the cache key hashes them before any compile
+            if not library.is_file():
+                raise CompilerError(f"custom-op library {library} not found")
 
     def cache_fields(self) -> dict[str, Any]:
         """Everything that changes the compiled bytes, the model path excepted (its content hash is used)."""
@@ -52,6 +61,7 @@ class CompileOptions:
         for name in ("calibration_data", "insert_op_conf"):
             path = getattr(self, name)
             fields[name] = _tree_hash(path) if path else None
+        fields["custom_op_libraries"] = [file_hash(library) for library in self.custom_op_libraries]
         return fields
 
     def fingerprint(self, source_hash: str, compiler_version: str) -> str:

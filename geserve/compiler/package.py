@@ -49,6 +49,10 @@ class Manifest:
     framework: str = "onnx"
     options: dict[str, Any] = field(default_factory=dict)
     node_counts: dict[str, int] = field(default_factory=dict)  # "source" / "compiled"
+    # Custom-op libraries the graph needs, relative to the served model's folder (next to config.pbtxt), and the
+    # non-standard op domains it uses. Absent from older packages: read as none.
+    custom_op_libraries: list[str] = field(default_factory=list)
+    custom_op_domains: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     encrypted: bool = False
 

@@ -8,8 +8,10 @@ from collections.abc import Callable
 
 import onnx
 
+from geserve.compiler.custom_ops import custom_domains, library_names, session_options
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.frontends import detect_framework, load_model
+from geserve.compiler.keep import check_keep_fp32
 from geserve.compiler.optimize import TARGET_LEVEL, optimize
 from geserve.compiler.options import CompileOptions, file_hash
 from geserve.compiler.package import Manifest
@@ -40,8 +42,9 @@ def compile_model(
     framework = options.framework or detect_framework(options.model)
     started = time.perf_counter()
     report(f"reading {options.model} ({framework})")
-    model = load_model(options.model, framework, options.input_shapes, options.out_nodes)
+    model = load_model(options.model, framework, options.input_shapes, options.out_nodes, options.signature)
     source_nodes = len(model.graph.node)
+    check_keep_fp32(model, options.keep_fp32)
     if framework != "onnx" or options.out_nodes:
         model = cut_outputs(model, options.out_nodes if framework == "onnx" else [])
     model = fix_input_shapes(model, options.input_shapes, options.batch_gears)
@@ -50,23 +53,25 @@ def compile_model(
         model = insert_preprocessing(model, load_config(options.insert_op_conf))
     final_level = TARGET_LEVEL[options.target] if options.optimize else None
     converts = options.quantize != "none" or options.precision_mode not in ("force_fp32", "must_keep_origin_dtype")
+    check_custom_ops(model, options, converts)
     model = drop_identities(model)
     # Node counts around the optimization of the FP32 graph (before an FP16 / INT8 conversion adds Cast or Q/DQ
     # nodes, and ONNX Runtime its own Casts around ops without FP16 kernels): what constant folding and fusion did.
     before_optimization = len(model.graph.node)
     if options.optimize and converts:
         report("optimizing (constant folding, Conv+BN fusion)")
-        model = optimize(model, "basic")
+        model = optimize(model, "basic", options.custom_op_libraries)
     after_optimization = len(model.graph.node)
     if options.quantize == "int8":
         if options.calibration_data is None:
             raise CompilerError("--quantize int8 needs --calibration-data DIR (.npy / .npz files)")
         report(f"calibrating and quantizing to INT8 with {options.calibration_data}")
         model = quantize_step(model, options)
-    model = apply_precision(model, options.precision_mode, options.keep_io_types)
+    model = apply_precision(model, options.precision_mode, options.keep_io_types, options.custom_op_libraries,
+                            options.keep_fp32)
     if final_level and not (converts and final_level == "basic"):
         report(f"optimizing for {options.target} ({final_level} fusions)")
-        model = optimize(model, final_level)
+        model = optimize(model, final_level, options.custom_op_libraries)
         after_optimization = after_optimization if converts else len(model.graph.node)
     onnx_bytes = model.SerializeToString()
     manifest = Manifest(
@@ -82,6 +87,8 @@ def compile_model(
         options={k: v for k, v in options.cache_fields().items() if v not in (None, [], {}, "")},
         node_counts={"source": source_nodes, "before_optimization": before_optimization,
                      "after_optimization": after_optimization, "compiled": len(model.graph.node)},
+        custom_op_libraries=library_names(options.custom_op_libraries),
+        custom_op_domains=custom_domains(model),
     )
     report(
         f"compiled in {time.perf_counter() - started:.1f} s: {source_nodes} -> {len(model.graph.node)} nodes, "
@@ -90,8 +97,23 @@ def compile_model(
     return manifest, onnx_bytes
 
 
+def check_custom_ops(model: onnx.ModelProto, options: CompileOptions, converts: bool) -> None:
+    """The custom-op libraries load, and a graph with custom ops that ONNX Runtime must open has them."""
+    session_options(options.custom_op_libraries)
+    domains = ", ".join(custom_domains(model))
+    if domains and options.quantize == "int8":
+        # ONNX Runtime's calibrator (quantize_static -> create_calibrator) makes its own InferenceSession from fresh
+        # SessionOptions and takes no custom-op library, so it cannot run this graph; rebuilding quantize_static
+        # from its internals to pass one would break with each ONNX Runtime release.
+        raise CompilerError(f"--quantize int8 cannot calibrate a graph with custom operators (domain {domains}): "
+                            f"ONNX Runtime's calibrator cannot load custom-op libraries; compile it in FP32 or FP16")
+    if domains and not options.custom_op_libraries and (options.optimize or converts):
+        raise CompilerError(f"the graph uses custom operators (domain {domains}): give their library with "
+                            f"--custom-op-library PATH (a served model: its 'custom_ops' parameter)")
+
+
 def quantize_step(model: onnx.ModelProto, options: CompileOptions) -> onnx.ModelProto:
     from geserve.compiler.quantize import quantize_int8
 
     assert options.calibration_data is not None
-    return quantize_int8(model, options.calibration_data, options.target, options.per_channel)
+    return quantize_int8(model, options.calibration_data, options.target, options.per_channel, options.keep_fp32)

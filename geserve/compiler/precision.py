@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import onnx
 
+from geserve.compiler.custom_ops import custom_node_names
 from geserve.compiler.errors import CompilerError
+from geserve.compiler.keep import kept_nodes_and_ops
 
 # Ops whose FP16 results lose too much (reductions, exponentials, normalizations): allow_mix_precision keeps them.
 SENSITIVE_OPS = [
@@ -13,7 +18,11 @@ SENSITIVE_OPS = [
 ]
 
 
-def apply_precision(model: onnx.ModelProto, mode: str, keep_io_types: bool) -> onnx.ModelProto:
+def apply_precision(
+    model: onnx.ModelProto, mode: str, keep_io_types: bool, custom_op_libraries: Sequence[Path] = (),
+    keep_fp32: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """`keep_fp32`: node names or op types left in FP32 (keep.py)."""
     if mode in ("force_fp32", "must_keep_origin_dtype"):
         return model
     try:
@@ -26,9 +35,14 @@ def apply_precision(model: onnx.ModelProto, mode: str, keep_io_types: bool) -> o
         block += SENSITIVE_OPS
     from geserve.compiler.shapes import complete_types
 
+    # Custom ops stay FP32: a library's kernels are FP32 as a rule, and which have FP16 ones is not discoverable;
+    # the converter casts around them, the rest of the graph goes to FP16.
+    custom_nodes = custom_node_names(model)
+    kept_nodes, kept_ops = kept_nodes_and_ops(model, list(keep_fp32))
     try:
         return convert_float_to_float16(
-            complete_types(model), keep_io_types=keep_io_types, op_block_list=block, disable_shape_infer=False
+            complete_types(model, custom_op_libraries), keep_io_types=keep_io_types, op_block_list=block + kept_ops,
+            node_block_list=custom_nodes + kept_nodes, disable_shape_infer=False,
         )
     except Exception as exc:
         raise CompilerError(f"FP16 conversion failed: {str(exc).splitlines()[0]}") from None

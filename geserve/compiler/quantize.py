@@ -9,7 +9,7 @@ is the fast form on CPU; QDQ is what TensorRT / CANN expect.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +88,16 @@ def _split_rows(feed: dict[str, np.ndarray], inputs: list[onnx.ValueInfoProto]) 
             yield chunk
 
 
-def quantize_int8(model: onnx.ModelProto, folder: Path, target: str, per_channel: bool) -> onnx.ModelProto:
+def quantize_int8(
+    model: onnx.ModelProto, folder: Path, target: str, per_channel: bool, keep_fp32: Sequence[str] = ()
+) -> onnx.ModelProto:
+    """`keep_fp32`: node names or op types left in FP32 (keep.py)."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
+    from geserve.compiler.keep import excluded_nodes
+
     model = complete_types(model)
+    excluded = excluded_nodes(model, list(keep_fp32))
     batches = calibration_batches(folder, model)
     types = {value.name: onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
              for value in graph_inputs(model)}
@@ -114,6 +120,7 @@ def quantize_int8(model: onnx.ModelProto, folder: Path, target: str, per_channel
                 Reader(),
                 quant_format=QuantFormat.QOperator if cpu else QuantFormat.QDQ,
                 per_channel=per_channel,
+                nodes_to_exclude=excluded,
                 # u8 activations x s8 weights is the fast x86 path; reduce_range avoids AVX2's u8s8 saturation.
                 reduce_range=cpu,
                 activation_type=QuantType.QUInt8 if cpu else QuantType.QInt8,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -114,9 +115,12 @@ ORT_TYPES = {f"tensor({name})": value for name, value in (
 )}
 
 
-def complete_types(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every intermediate tensor a type, asking ONNX Runtime where ONNX's inference has none (ai.onnx.ml)."""
+def complete_types(model: onnx.ModelProto, custom_op_libraries: Sequence[Path] = ()) -> onnx.ModelProto:
+    """Give every intermediate tensor a type, asking ONNX Runtime where ONNX's inference has none (ai.onnx.ml, custom
+    ops)."""
     import onnxruntime as ort
+
+    from geserve.compiler.custom_ops import session_options
 
     model = shape_inference.infer_shapes(model)
     graph = model.graph
@@ -127,7 +131,8 @@ def complete_types(model: onnx.ModelProto) -> onnx.ModelProto:
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(onnx.ValueInfoProto(name=name) for name in missing)
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(probe.SerializeToString(), session_options(custom_op_libraries),
+                                   providers=["CPUExecutionProvider"])
     for output in session.get_outputs():
         if output.name in missing and output.type in ORT_TYPES:
             shape = [d if isinstance(d, int) else None for d in output.shape] if output.shape else None

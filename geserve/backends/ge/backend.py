@@ -12,13 +12,22 @@ from tritonclient.grpc import model_config_pb2
 from geserve import devices
 from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelInstance, ModelSource
 from geserve.backends.ge.autocomplete import GraphTensor, auto_complete, read_overridable_inputs, read_signature
-from geserve.backends.ge.compiled import apply_gears, compile_on_load, find_package, load_graph, wants_compile
+from geserve.backends.ge.compiled import (
+    DEFAULT_SOURCES,
+    apply_gears,
+    compile_on_load,
+    find_package,
+    load_graph,
+    package_libraries,
+    wants_compile,
+)
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.offline import auto_complete_om, create_om_instances, find_offline_model, is_offline_model
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
 from geserve.backends.ge.providers import configured_accelerator, provider_options
 from geserve.backends.ge.shared_weights import file_identity, fingerprint, packed_graph
 from geserve.compiler.package import read_manifest
+from geserve.compiler.tensorflow import is_saved_model
 from geserve.config import ModelConfig
 from geserve.config.sequence import sequence_inputs, sequence_outputs
 from geserve.devices.cann import gears_from_ge
@@ -40,7 +49,8 @@ _OPTIMIZATION_LEVELS = {
 
 def model_path(config: ModelConfig, source: ModelSource) -> Path:
     """Triton's onnxruntime layout: `<version>/model.onnx`, a file or a folder holding `model.onnx`;
-    or a compiled `<version>/model.gem`; or the compile cache's entry when compile_* parameters ask for one."""
+    or a compiled `<version>/model.gem`; or the compile cache's entry when compile_* parameters ask for one or the
+    source is a TensorFlow model (Triton's `model.savedmodel/` or `model.graphdef`, a `.pb`, a `.keras` file)."""
     package = find_package(source.version_dir, config.default_model_filename)
     if package is not None:
         return package
@@ -48,11 +58,11 @@ def model_path(config: ModelConfig, source: ModelSource) -> Path:
     if offline is not None:
         return offline
     path = source.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
-    if path.is_dir():
+    if path.is_dir() and not is_saved_model(path):
         path = path / DEFAULT_MODEL_FILENAME
-    if not path.is_file():
+    if not (path.is_file() or is_saved_model(path)):
         raise InvalidArgumentError(f"model file {path} not found for model '{config.name}'")
-    return compile_on_load(config, path, source.model_dir) if wants_compile(config) else path
+    return compile_on_load(config, path, source.model_dir) if wants_compile(config, path) else path
 
 
 class GeBackend:
@@ -86,6 +96,8 @@ class GeBackend:
         if is_offline_model(path):
             return create_om_instances(config, path, options)
         apply_gears(config, path)
+        # From here on the libraries every session registers, as paths (a compiled package's own included).
+        options.custom_ops = _custom_op_libraries(config, options, path, source)
         layout = _layout(config, path)
         graph = load_graph(path, self._settings.values.get("model-key-file"))
         configured = configured_accelerator(config)
@@ -142,13 +154,19 @@ def _create(settings: BackendSettings, host: InferenceHost, custom_metrics: Cust
     return GeBackend(settings)
 
 
-# Both GE dialects and Triton's onnxruntime name the same backend; all read `--backend-config=ge,...`.
+# Both GE dialects, Triton's onnxruntime and its tensorflow backend name the same backend (a TensorFlow model is
+# converted to ONNX on first load); all read `--backend-config=ge,...`.
 BACKEND_KIND = BackendKind(
-    names=("ge", "npu_ge", "onnxruntime"),
+    names=("ge", "npu_ge", "onnxruntime", "tensorflow"),
     create=_create,
-    platforms={"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime"},
+    platforms={"graph_executor": "ge", "onnxruntime_onnx": "onnxruntime", "tensorflow_savedmodel": "tensorflow",
+               "tensorflow_graphdef": "tensorflow"},
     implied_platforms={"onnxruntime": "onnxruntime_onnx"},
-    model_files={DEFAULT_MODEL_FILENAME: ("onnxruntime_onnx", "onnxruntime")},
+    model_files={
+        DEFAULT_SOURCES["onnxruntime_onnx"]: ("onnxruntime_onnx", "onnxruntime"),
+        DEFAULT_SOURCES["tensorflow_savedmodel"]: ("tensorflow_savedmodel", "tensorflow"),
+        DEFAULT_SOURCES["tensorflow_graphdef"]: ("tensorflow_graphdef", "tensorflow"),
+    },
 )
 
 
@@ -237,10 +255,6 @@ def _graph_options(config: ModelConfig, options: GeOptions, source: ModelSource)
             raise InvalidArgumentError(f"parameter 'ort.{key}' was refused by onnxruntime: {exc}") from None
     for library in options.custom_ops:
         library_path = source.model_dir / library
-        if not library_path.is_file():
-            raise UnavailableError(
-                f"model '{config.name}': custom operator library {library_path} (parameter 'custom_ops') not found"
-            )
         try:
             session_options.register_custom_ops_library(str(library_path))
         except Exception as exc:
@@ -249,6 +263,21 @@ def _graph_options(config: ModelConfig, options: GeOptions, source: ModelSource)
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
     return session_options
+
+
+def _custom_op_libraries(config: ModelConfig, options: GeOptions, path: Path, source: ModelSource) -> list[str]:
+    """The `custom_ops` parameter's libraries, then those a compiled package needs that it does not name (the same
+    file name is the same library: ONNX Runtime refuses a domain registered twice), as paths in the model folder."""
+    named = {Path(library).name for library in options.custom_ops}
+    wanted = [(library, "parameter 'custom_ops'") for library in options.custom_ops]
+    wanted += [(library, f"needed by the compiled model {path.name}")
+               for library in package_libraries(path) if Path(library).name not in named]
+    for library, origin in wanted:
+        if not (source.model_dir / library).is_file():
+            raise UnavailableError(
+                f"model '{config.name}': custom operator library {source.model_dir / library} ({origin}) not found"
+            )
+    return [str(source.model_dir / library) for library, _ in wanted]
 
 
 def _shared_graph(

@@ -1,4 +1,5 @@
-"""What the GE backend loads: `model.onnx`, a compiled `model.gem`, or `model.onnx` compiled on first load."""
+"""What the GE backend loads: `model.onnx`, a compiled `model.gem`, or a source compiled on first load (`model.onnx`
+with compile_* parameters, a TensorFlow `model.savedmodel/` or `model.graphdef`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ from typing import Any
 
 from geserve.compiler import CompileOptions, CompilerError
 from geserve.compiler.package import is_package, load_key, read_manifest, read_package
+from geserve.compiler.tensorflow import is_tensorflow_model, model_kind
 from geserve.config import ModelConfig
 from geserve.errors import InvalidArgumentError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
 PACKAGE_FILENAME = "model.gem"
+# Triton's default model file names of the platforms the GE backend serves, by platform.
+DEFAULT_SOURCES = {
+    "onnxruntime_onnx": "model.onnx",
+    "tensorflow_savedmodel": "model.savedmodel",
+    "tensorflow_graphdef": "model.graphdef",
+}
 # config.pbtxt parameters that ask for compile-on-first-load, and the CompileOptions field each sets.
 COMPILE_PARAMETERS = {
     "compile_precision_mode": "precision_mode",
@@ -30,11 +38,11 @@ COMPILE_PARAMETERS = {
 
 def find_package(version_dir: Path, configured: str) -> Path | None:
     """The compiled package to load: the configured file if it is one, else `model.gem` when the config names
-    no file of its own (or Triton's default `model.onnx`): a compiled model wins over its source."""
+    no file of its own (or one of Triton's default source names): a compiled model wins over its source."""
     named = version_dir / configured if configured else None
     if named is not None and named.is_file() and is_package(named):
         return named
-    if configured not in ("", "model.onnx"):
+    if configured not in ("", *DEFAULT_SOURCES.values()):
         return None
     fallback = version_dir / PACKAGE_FILENAME
     return fallback if fallback.is_file() and is_package(fallback) else None
@@ -43,37 +51,69 @@ def find_package(version_dir: Path, configured: str) -> Path | None:
 def compile_on_load(config: ModelConfig, source_path: Path, model_dir: Path) -> Path:
     """The cached `.gem` for `source_path` under the config's compile_* options, compiling it the first time."""
     from geserve.compiler.cache import compile_cached
-    from geserve.compiler.options import parse_input_shapes, parse_int_list
 
-    values = {key: config.parameters[key].string_value for key in COMPILE_PARAMETERS if key in config.parameters}
-    fields: dict[str, Any] = {}  # CompileOptions keyword arguments, of several types
     try:
-        for key, value in values.items():
-            name = COMPILE_PARAMETERS[key]
-            if name == "batch_gears":
-                fields[name] = parse_int_list(value, key)
-            elif name == "input_shapes":
-                fields[name] = parse_input_shapes(value)
-            elif name == "out_nodes":
-                fields[name] = [n.strip() for n in value.split(",") if n.strip()]
-            elif name in ("calibration_data", "insert_op_conf"):
-                fields[name] = model_dir / value
-            else:
-                fields[name] = value.strip()
+        libraries = [model_dir / library for library in custom_ops_parameter(config)]
+        options = CompileOptions(model=source_path, custom_op_libraries=libraries,
+                                 **_compile_fields(config, source_path, model_dir))
         started = time.perf_counter()
-        path, hit = compile_cached(CompileOptions(model=source_path, framework="onnx", **fields))
+        path, hit = compile_cached(options)
     except CompilerError as exc:
         raise InvalidArgumentError(f"model '{config.name}': compile on load failed: {exc}") from None
+    # A Triton TensorFlow model runs on ONNX Runtime here: its log line says so.
+    served = f" (platform '{config.platform}', converted to ONNX)" if is_tensorflow_model(source_path) else ""
     if hit:
-        logger.info("model '%s': using cached compiled model %s", config.name, path)
+        logger.info("model '%s'%s: using cached compiled model %s", config.name, served, path)
     else:
-        logger.info("model '%s': compiled %s into %s in %.1f s", config.name, source_path, path,
+        logger.info("model '%s'%s: compiled %s into %s in %.1f s", config.name, served, source_path, path,
                     time.perf_counter() - started)
     return path
 
 
-def wants_compile(config: ModelConfig) -> bool:
-    return any(key in config.parameters for key in COMPILE_PARAMETERS)
+def _compile_fields(config: ModelConfig, source_path: Path, model_dir: Path) -> dict[str, Any]:
+    """CompileOptions keyword arguments (of several types) from the config's compile_* parameters; a TensorFlow
+    source also takes Triton's TF_SIGNATURE_DEF and, for a GraphDef, its tensors from the config's inputs/outputs."""
+    from geserve.compiler.options import parse_input_shapes, parse_int_list
+
+    values = {key: config.parameters[key].string_value for key in COMPILE_PARAMETERS if key in config.parameters}
+    fields: dict[str, Any] = {}
+    for key, value in values.items():
+        name = COMPILE_PARAMETERS[key]
+        if name == "batch_gears":
+            fields[name] = parse_int_list(value, key)
+        elif name == "input_shapes":
+            fields[name] = parse_input_shapes(value)
+        elif name == "out_nodes":
+            fields[name] = [n.strip() for n in value.split(",") if n.strip()]
+        elif name in ("calibration_data", "insert_op_conf"):
+            fields[name] = model_dir / value
+        else:
+            fields[name] = value.strip()
+    if not is_tensorflow_model(source_path):
+        return {"framework": "onnx", **fields}
+    if "TF_SIGNATURE_DEF" in config.parameters:
+        fields.setdefault("signature", config.parameters["TF_SIGNATURE_DEF"].string_value.strip())
+    if model_kind(source_path) == "graphdef":  # a frozen graph names no inputs or outputs: Triton's config does
+        batch = [-1] if config.max_batch_size > 0 else []
+        fields.setdefault("input_shapes", {t.name: [*batch, *t.dims] for t in config.input})
+        fields.setdefault("out_nodes", [t.name for t in config.output])
+    return fields
+
+
+def custom_ops_parameter(config: ModelConfig) -> list[str]:
+    """The model's `custom_ops` libraries, relative to its folder: a compile on load registers them as serving does."""
+    value = config.parameters["custom_ops"].string_value if "custom_ops" in config.parameters else ""
+    return [library.strip() for library in value.split(",") if library.strip()]
+
+
+def package_libraries(path: Path) -> list[str]:
+    """The custom-op libraries a compiled package needs, relative to the model folder; none for a plain graph."""
+    return list(read_manifest(path).custom_op_libraries) if is_package(path) else []
+
+
+def wants_compile(config: ModelConfig, source_path: Path) -> bool:
+    """A TensorFlow source is always compiled (converted); an ONNX one when a compile_* parameter asks."""
+    return is_tensorflow_model(source_path) or any(key in config.parameters for key in COMPILE_PARAMETERS)
 
 
 def apply_gears(config: ModelConfig, path: Path) -> None:

@@ -119,6 +119,7 @@ _HANDLED_ELSEWHERE = {
     "batch_gears", "adaptive_batching_target_p99_ms", "early_batch_dispatch",  # the scheduler's
     "compile_precision_mode", "compile_dynamic_batch_size", "compile_quantize", "compile_calibration_data",
     "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",  # the compiler's
+    "TF_SIGNATURE_DEF",  # Triton's tensorflow backend: the SavedModel signature the compiler converts
 }
 
 
@@ -128,8 +129,8 @@ _DEVICE_PARAMETERS = CUDA_PARAMETERS | CANN_PARAMETERS
 # Triton's ONNX Runtime platform or backend was written for Triton, whose backend ignores what it does not know.
 _GE_PLATFORMS = {"graph_executor"}
 _GE_BACKENDS = {"ge", "npu_ge"}
-_TRITON_PLATFORMS = {"onnxruntime_onnx"}
-_TRITON_BACKENDS = {"onnxruntime"}
+_TRITON_PLATFORMS = {"onnxruntime_onnx", "tensorflow_savedmodel", "tensorflow_graphdef"}
+_TRITON_BACKENDS = {"onnxruntime", "tensorflow"}
 
 
 def ignores_unknown_parameters(config: ModelConfig) -> bool:
