@@ -182,6 +182,9 @@ def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision-mode", default="force_fp32",
         choices=["force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp16", "allow_mix_precision"])
     add("--keep-io-types", default="true", help="keep FP32 inputs/outputs when converting to FP16 (default true)")
+    add("--keep-fp32", metavar="NAMES|@FILE",
+        help="node names or op types kept in FP32 through FP16 conversion and --quantize int8 (atc's --keep_dtype): "
+             "comma-separated, or @FILE with one a line (# comments); names as --check --layers reports them")
     add("--quantize", choices=["none", "int8"], default="none")
     add("--calibration-data", type=Path,
         help="for --quantize int8: a folder of .npy/.npz batches, or a callable file.py:function / module:function")
@@ -196,6 +199,23 @@ def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add("--check", action="store_true",
         help="run the source and the compiled model on the same inputs and print how far apart they are")
     add("--check-data", type=Path, help="folder of .npy/.npz inputs for --check (default: random inputs)")
+    _add_layer_arguments(parser)
+
+
+def _add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    from geserve.compiler.compare import LAYERS_THRESHOLD
+
+    add = parser.add_argument
+    add("--layers", action="store_true",
+        help="with --check: also compare every tensor both graphs compute, matched by name in the source's order, "
+             "and mark the first layer whose max rel error is above --layers-threshold")
+    add("--layers-threshold", type=float, default=LAYERS_THRESHOLD, metavar="T",
+        help="max rel error (max |error| / max |source tensor|) above which a layer counts as where the error jumps "
+             f"(default {LAYERS_THRESHOLD:g}; ResNet-50's first INT8 layers measure 0.02, FP16 layers below 0.001)")
+    add("--layers-csv", type=Path, metavar="PATH", help="write the --layers table to PATH as CSV")
+    add("--dump-dir", type=Path, metavar="DIR",
+        help="with --layers: write every tensor of both graphs under DIR/golden and DIR/compiled, as dump folders "
+             "that geserve compare reads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     from geserve.compiler.compare import add_arguments as add_compare_arguments
 
     add_compare_arguments(commands.add_parser(
-        "compare", help="compare an output array with a golden one (npu_compare)", allow_abbrev=False
+        "compare", help="compare an output array with a golden one, or two dump folders layer by layer (npu_compare)",
+        allow_abbrev=False
     ))
     from geserve.tune.command import add_arguments as add_tune_arguments
 
@@ -289,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     if args.command == "compare":
-        from geserve.compiler.compare import run as run_compare
+        from geserve.compiler.dumps import run_compare
 
         return run_compare(args)
     if args.command == "tune":

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from geserve.compiler.errors import CompilerError
+from geserve.compiler.keep import parse_keep_fp32
 from geserve.compiler.options import CompileOptions, parse_bool, parse_input_shapes, parse_int_list
 from geserve.compiler.package import load_key, read_manifest, write_package
 
@@ -46,6 +47,7 @@ def options_from_args(args: argparse.Namespace) -> CompileOptions:
         signature=args.signature or "",
         precision_mode=args.precision_mode,
         keep_io_types=parse_bool(args.keep_io_types, "--keep-io-types"),
+        keep_fp32=parse_keep_fp32(args.keep_fp32 or ""),
         quantize=args.quantize,
         calibration_data=args.calibration_data,
         insert_op_conf=args.insert_op_conf,
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         if args.check and options.insert_op_conf:
             raise CompilerError("--check feeds both models the same inputs; it cannot follow --insert-op-conf")
+        if (args.layers or args.layers_csv or args.dump_dir) and not (args.check and args.layers):
+            raise CompilerError("--layers extends --check, and --layers-csv / --dump-dir extend --layers: give them")
         key = load_key(args.encrypt_key_file, env="") if args.encrypt_key_file else None
         quiet = args.quiet or not sys.stderr.isatty()
         manifest, onnx_bytes = compile_model(options, None if quiet else _progress)
@@ -82,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.check:
             for line in check(options, onnx_bytes, args.check_data):
+                print(line)
+            for line in check_layers(options, onnx_bytes, args) if args.layers else []:
                 print(line)
         if options.target == "cuda" and key is None:
             print(f"TensorRT engine cache ready in {prepare_tensorrt(options, onnx_bytes)}")
@@ -114,13 +120,10 @@ def prepare_tensorrt(options: CompileOptions, onnx_bytes: bytes) -> str:
 def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: int = 0) -> list[str]:
     """Run the source and the compiled model on the same inputs; one comparison line per common output."""
     import numpy as np
-    import onnx
     import onnxruntime as ort
 
     from geserve.compiler.custom_ops import session_options
     from geserve.compiler.frontends import detect_framework, load_model
-    from geserve.compiler.quantize import calibration_batches
-    from geserve.compiler.shapes import ORT_TYPES
 
     framework = options.framework or detect_framework(options.model)
     if framework == "onnx":
@@ -132,22 +135,49 @@ def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: i
     sessions = [ort.InferenceSession(graph, session_options(options.custom_op_libraries),
                                      providers=["CPUExecutionProvider"]) for graph in (source, onnx_bytes)]
     compiled = sessions[1]
-    types = {i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ORT_TYPES[i.type])) for i in compiled.get_inputs()}
-    if data is not None:
-        batches = calibration_batches(data, onnx.load_from_string(onnx_bytes))
-    else:
-        batches = [_random_inputs(compiled, types, options.batch_gears, np.random.default_rng(seed))]
+    batches = check_inputs(compiled, onnx_bytes, options, data, seed)
     names = [o.name for o in compiled.get_outputs() if o.name in {s.name for s in sessions[0].get_outputs()}]
     if not names:
         raise CompilerError("--check: the compiled model shares no output name with the source")
     results: dict[str, list[list[np.ndarray]]] = {name: [[], []] for name in names}
-    for batch in batches:
-        feed = {k: np.asarray(v).astype(types[k], copy=False) for k, v in batch.items()}
+    for feed in batches:
         for index, session in enumerate(sessions):
             for name, value in zip(names, session.run(names, feed), strict=True):
                 results[name][index].append(value)
     lines = [f"check: {len(batches)} batch(es) {'from ' + str(data) if data else 'of random inputs'}"]
     return lines + [_check_line(name, golden, output) for name, (golden, output) in results.items()]
+
+
+def check_inputs(
+    compiled: Any, onnx_bytes: bytes, options: CompileOptions, data: Path | None, seed: int = 0
+) -> list[dict[str, Any]]:
+    """What --check feeds both models: the --check-data batches, else one batch of random inputs (`seed`), typed as
+    the compiled session's inputs."""
+    import numpy as np
+    import onnx
+
+    from geserve.compiler.quantize import calibration_batches
+    from geserve.compiler.shapes import ORT_TYPES
+
+    types = {i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ORT_TYPES[i.type])) for i in compiled.get_inputs()}
+    if data is not None:
+        batches = calibration_batches(data, onnx.load_from_string(onnx_bytes))
+    else:
+        batches = [_random_inputs(compiled, types, options.batch_gears, np.random.default_rng(seed))]
+    return [{k: np.asarray(v).astype(types[k], copy=False) for k, v in batch.items()} for batch in batches]
+
+
+def check_layers(options: CompileOptions, onnx_bytes: bytes, args: argparse.Namespace) -> list[str]:
+    """`--check --layers`: every tensor the source and the compiled graph both compute, on --check's inputs."""
+    import onnxruntime as ort
+
+    from geserve.compiler.custom_ops import session_options
+    from geserve.compiler.layer_check import run_layers
+
+    compiled = ort.InferenceSession(onnx_bytes, session_options(options.custom_op_libraries),
+                                    providers=["CPUExecutionProvider"])
+    feeds = check_inputs(compiled, onnx_bytes, options, args.check_data)
+    return run_layers(options, onnx_bytes, feeds, args.layers_threshold, args.layers_csv, args.dump_dir)
 
 
 def _check_line(name: str, golden: list[Any], output: list[Any]) -> str:

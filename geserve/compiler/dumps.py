@@ -1,10 +1,5 @@
-"""Dump folders (the GE backend's `dump_data`, `compile --check --layers --dump-dir`) and `geserve compare` over two.
-
-A batch folder holds one `.npy` per tensor, `<order>_<sanitized name>.npy` in the graph's topological order, and
-`index.json`, written last ({"format": 1, "tensors": [{"file", "name", "node", "op_type", "inputs", "kind", "scale",
-"zero_point"}, ...]}; a folder without it is incomplete and not read). A dump root holds `batch_000001/`,
-`batch_000002/`, ...; two roots are compared batch folder by batch folder of the same name.
-"""
+"""Dump folders (the GE backend's `dump_data`, `compile --check --layers --dump-dir`): per batch one `.npy` per tensor
+and an `index.json`; `geserve compare` over two of them, layer by layer."""
 
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from geserve.compiler import compare
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.layers import LayerReport, LayerTensor, match
 
@@ -31,7 +27,9 @@ def batch_name(number: int) -> str:
 
 
 def write_batch(folder: Path, tensors: list[LayerTensor], values: Mapping[str, np.ndarray]) -> int:
-    """Write the numeric tensors of `values` in `tensors`' order; returns how many were written."""
+    """Write the numeric tensors of `values` in `tensors`' order as `<order>_<sanitized name>.npy`, then `index.json`
+    ({"format": 1, "tensors": [LayerTensor.to_dict() + {"file"}, ...]}): a folder without it is incomplete and is
+    not read. A dump root holds `batch_000001/`, `batch_000002/`, ...; returns how many tensors were written."""
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
     for number, tensor in enumerate(tensors):
@@ -96,6 +94,13 @@ def _load(index: list[tuple[LayerTensor, Path]], wanted: set[str]) -> dict[str, 
         return {tensor.name: np.load(path) for tensor, path in index if tensor.name in wanted}
     except (OSError, ValueError) as exc:
         raise CompilerError(f"cannot read a dumped tensor: {exc}") from None
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """`geserve compare`: two dump folders layer by layer, else two array files (compare.run)."""
+    if args.golden.is_dir() or args.output.is_dir():
+        return run_folders(args)
+    return compare.run(args)
 
 
 def run_folders(args: argparse.Namespace) -> int:

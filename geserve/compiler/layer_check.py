@@ -13,7 +13,9 @@ import onnxruntime as ort
 from geserve.compiler.custom_ops import session_options
 from geserve.compiler.dumps import batch_name, write_batch
 from geserve.compiler.errors import CompilerError
+from geserve.compiler.frontends import detect_framework, load_model
 from geserve.compiler.layers import LayerReport, LayerTensor, describe, expose, match
+from geserve.compiler.options import CompileOptions
 
 
 def check_layers(
@@ -63,3 +65,20 @@ def _dump(folder: Path, tensors: list[LayerTensor], values: dict[str, np.ndarray
         write_batch(folder, tensors, values)
     except OSError as exc:
         raise CompilerError(f"--dump-dir: cannot write {folder}: {exc.strerror or exc}") from None
+
+
+def run_layers(
+    options: CompileOptions,
+    onnx_bytes: bytes,
+    feeds: Sequence[dict[str, np.ndarray]],
+    threshold: float,
+    csv_path: Path | None = None,
+    dump_dir: Path | None = None,
+) -> list[str]:
+    """The `--layers` report lines of a compile, the source read again through its front end."""
+    framework = options.framework or detect_framework(options.model)
+    source = load_model(options.model, framework, options.input_shapes, options.out_nodes, options.signature)
+    report = check_layers(source, onnx.load_from_string(onnx_bytes), feeds, dump_dir, options.custom_op_libraries)
+    if csv_path is not None:
+        report.write_csv(csv_path, threshold)
+    return report.lines(threshold)

@@ -1,20 +1,11 @@
-"""Layer-by-layer accuracy: the tensors a golden and an output graph both compute, matched by name, compared one by
-one in the golden's topological order to find the first layer where the error jumps (`compile --check --layers`).
-
-Matching. A golden tensor is compared with the output graph's tensor of the same name. Where fusion removed a tensor
-(a Conv's output inside a fused Conv+Relu) the layer is compared at the next tensor both graphs still have, and that
-row names every golden node computed since the previous compared tensors (`Pair.nodes`: what `--keep-fp32` would name).
-An INT8 QOperator graph holds most tensors only quantized, as `X_quantized` (uint8): such a tensor is dequantized with
-the scale and zero point its consumer reads and compared with `X`, or, where ONNX Runtime's quantizer folded a Relu /
-Clip into the op before it (the activation being X's only consumer), with the activation's output, which is what it
-then holds. A quantized tensor whose scale cannot be found (not a constant scalar) is not compared.
-"""
+"""Layer-by-layer accuracy: the tensors a golden and an output graph both compute, matched by name (`match`) and
+compared one by one in the golden's topological order, to find the first layer where the error jumps."""
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +17,8 @@ from geserve.compiler.compare import Comparison, compare
 from geserve.compiler.errors import CompilerError
 
 QUANTIZED_SUFFIX = "_quantized"  # ONNX Runtime's quantizer names a quantized activation X as X_quantized
-DEFAULT_THRESHOLD = 0.05
+# ONNX Runtime renames a tensor between two nodes it runs in FP32 in an FP16 graph (their Casts cancel out) thus.
+_RENAMED_PREFIX = "InsertedPrecisionFreeCast_"
 # Activations ONNX Runtime's QOperator quantizer removes after a quantized op (its output range already clips them).
 _FOLDED_ACTIVATIONS = ("Relu", "Clip")
 
@@ -122,7 +114,17 @@ def _scalar(constants: Mapping[str, onnx.TensorProto], name: str) -> float | Non
 
 
 def match(golden: list[LayerTensor], output: list[LayerTensor]) -> list[Pair]:
-    """The golden tensors the output graph also has (directly or quantized), in the golden's order."""
+    """The golden tensors the output graph also has, in the golden's order.
+
+    A golden tensor X pairs with the output graph's X, or ONNX Runtime's rename of it (`InsertedPrecisionFreeCast_X`,
+    in an FP16 graph run on a CPU). Where fusion removed X (a Conv's output inside a fused Conv+Relu), the layer is
+    compared at the next tensor both graphs still have, whose row names every golden node computed since the
+    previous compared tensors (`Pair.nodes`: what `--keep-fp32` would name). An INT8 QOperator graph holds most
+    tensors only quantized, as `X_quantized` (uint8): that one is dequantized with the scale and zero point its
+    readers take and compared with X or, where ONNX Runtime's quantizer folded a Relu / Clip into X's producer (the
+    activation being X's only reader), with the activation's output, which is what it then holds. A quantized tensor
+    without a constant scalar scale is not compared.
+    """
     partners = _partners(golden, output)
     by_name = {t.name: t for t in golden}
     order = {t.node: index for index, t in enumerate(golden)}
@@ -139,12 +141,11 @@ def match(golden: list[LayerTensor], output: list[LayerTensor]) -> list[Pair]:
 def _partners(golden: list[LayerTensor], output: list[LayerTensor]) -> dict[str, LayerTensor]:
     names = {t.name for t in golden}
     found = {t.name: t for t in output if t.scale is None and t.name in names}
-    consumers: dict[str, list[LayerTensor]] = {}
-    for tensor in golden:
-        for name in dict.fromkeys(tensor.inputs):
-            users = consumers.setdefault(name, [])
-            if all(u.node != tensor.node for u in users):
-                users.append(tensor)
+    for tensor in output:
+        base = tensor.name.removeprefix(_RENAMED_PREFIX)
+        if tensor.scale is None and base != tensor.name and base in names:
+            found.setdefault(base, tensor)
+    consumers = _consumers(golden)
     aliases: dict[str, LayerTensor] = {}
     for tensor in output:
         base = tensor.name.removesuffix(QUANTIZED_SUFFIX)
@@ -156,6 +157,17 @@ def _partners(golden: list[LayerTensor], output: list[LayerTensor]) -> dict[str,
     return {**aliases, **found}  # a tensor holding exactly X wins over one holding X through a folded activation
 
 
+def _consumers(tensors: list[LayerTensor]) -> dict[str, list[LayerTensor]]:
+    """Per tensor name, the nodes reading it (each as its first output)."""
+    consumers: dict[str, list[LayerTensor]] = {}
+    for tensor in tensors:
+        for name in dict.fromkeys(tensor.inputs):
+            users = consumers.setdefault(name, [])
+            if all(u.node != tensor.node for u in users):
+                users.append(tensor)
+    return consumers
+
+
 def _activation_end(name: str, consumers: Mapping[str, list[LayerTensor]]) -> str:
     """The tensor a quantized `name` stands for: past the Relu / Clip chain the quantizer folds into its producer."""
     while True:
@@ -165,18 +177,19 @@ def _activation_end(name: str, consumers: Mapping[str, list[LayerTensor]]) -> st
         name = users[0].name
 
 
-def _segment(tensor: LayerTensor, by_name: Mapping[str, LayerTensor], compared: Iterable[str],
+def _segment(tensor: LayerTensor, by_name: Mapping[str, LayerTensor], compared: Collection[str],
              claimed: set[str]) -> list[str]:
     """The golden nodes that lead to `tensor` from the previous compared tensors, not already named by a row."""
-    stop = set(compared)
     nodes, stack = [], [tensor]
     while stack:
         current = stack.pop()
-        if not current.node or current.node in claimed:
+        key = current.node or current.name  # an unnamed node is known by its output
+        if key in claimed:
             continue
-        claimed.add(current.node)
-        nodes.append(current.node)
-        stack.extend(by_name[n] for n in current.inputs if n in by_name and n not in stop)
+        claimed.add(key)
+        if current.node:  # an unnamed one cannot be named to --keep-fp32, but the walk goes on through it
+            nodes.append(current.node)
+        stack.extend(by_name[n] for n in current.inputs if n in by_name and n not in compared)
     return nodes
 
 
@@ -208,41 +221,53 @@ class LayerReport:
     def rows(self) -> list[Row]:
         return [Row(p, self.worst[p.golden.name]) for p in self.pairs if p.golden.name in self.worst]
 
-    def first_over(self, threshold: float) -> Row | None:
-        return next((r for r in self.rows if r.pair.golden.kind != "input" and not r.result.within(threshold)), None)
+    def first_over(self, threshold: float) -> int | None:
+        """The index in `rows` of the first layer (graph inputs aside) whose max rel error is above `threshold`."""
+        over = (i for i, r in enumerate(self.rows) if r.pair.golden.kind != "input" and not r.result.within(threshold))
+        return next(over, None)
 
     def lines(self, threshold: float) -> list[str]:
         rows, first = self.rows, self.first_over(threshold)
-        lines = [f"layers: {len(rows)} tensors compared by name over {self.batches} batch(es); worst batch per "
-                 f"tensor; threshold: max rel error {threshold:g}"]
+        lines = [f"layers: {len(rows)} tensors compared by name over {self.batches} batch(es) (the worst batch of "
+                 f"each); threshold: max rel error {threshold:g}"]
         if self.skipped:
             lines.append(f"layers: not compared (shapes differ): {', '.join(sorted(self.skipped))}")
-        for index, row in enumerate(rows, 1):
-            golden = row.pair.golden
-            text = f"layer {index:>3} {golden.node or '(input)'} [{golden.op_type or golden.kind}] " \
-                   + row.result.describe(f"'{golden.name}'")
-            lines.append(text + (f"  <-- first above {threshold:g}" if row is first else ""))
+        lines += [_row_line(i + 1, row, threshold if i == first else None) for i, row in enumerate(rows)]
         if first is None:
-            lines.append(f"layers: no layer above max rel error {threshold:g}")
-        else:
-            lines.append(f"layers: first above max rel error {threshold:g}: '{first.pair.golden.name}', computed by "
-                         f"node(s) {','.join(first.pair.nodes)} (to keep them: --keep-fp32 {','.join(first.pair.nodes)})")
-        return lines
+            return [*lines, f"layers: no layer above max rel error {threshold:g}"]
+        row = rows[first]
+        nodes = ",".join(row.pair.nodes)
+        prefix = sum(len(r.pair.nodes) for r in rows[:first + 1])
+        return [*lines, f"layers: first above max rel error {threshold:g}: layer {first + 1} '{row.pair.golden.name}' "
+                         f"of node(s) {nodes} (to keep them in FP32: --keep-fp32 {nodes}); errors compound, so where "
+                         f"that is not enough keep layers 1-{first + 1} ({prefix} nodes: the 'nodes' column of those "
+                         f"--layers-csv rows, one per line in a file given as --keep-fp32 @FILE)"]
 
     def write_csv(self, path: Path, threshold: float) -> None:
+        """The rows of `lines`; `nodes` lists the golden nodes each covers (`;`-separated), `first_over` marks one."""
         first = self.first_over(threshold)
         try:
             with open(path, "w", newline="") as handle:
                 writer = csv.writer(handle)
                 writer.writerow(["index", "kind", "node", "op_type", "tensor", "nodes", "cosine", "max_abs", "max_rel",
                                  "over_threshold", "first_over"])
-                for index, row in enumerate(self.rows, 1):
+                for index, row in enumerate(self.rows):
                     golden, result = row.pair.golden, row.result
-                    writer.writerow([index, golden.kind, golden.node, golden.op_type, golden.name,
+                    writer.writerow([index + 1, golden.kind, golden.node, golden.op_type, golden.name,
                                      ";".join(row.pair.nodes), f"{result.cosine:.9g}", f"{result.max_abs:.9g}",
-                                     f"{result.max_rel:.9g}", int(not result.within(threshold)), int(row is first)])
+                                     f"{result.max_rel:.9g}", int(not result.within(threshold)), int(index == first)])
         except OSError as exc:
             raise CompilerError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _row_line(index: int, row: Row, first_over: float | None) -> str:
+    golden, result = row.pair.golden, row.result
+    if golden.kind != "output":  # top-1 agreement means something for a classifier's output only
+        result = replace(result, top1=None)
+    node = golden.node or ("(input)" if golden.kind == "input" else "(unnamed)")
+    text = f"layer {index:>3} {node} [{golden.op_type or golden.kind}] " \
+           + result.describe(repr(golden.name))
+    return text if first_over is None else f"{text}  <-- first above {first_over:g}"
 
 
 def _numeric(array: np.ndarray) -> bool:

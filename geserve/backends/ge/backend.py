@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 
 import onnxruntime as ort
@@ -21,6 +20,7 @@ from geserve.backends.ge.compiled import (
     package_libraries,
     wants_compile,
 )
+from geserve.backends.ge.dump import dump_folder, make_instance, with_dump
 from geserve.backends.ge.instance import GeInstance, ModelLayout, TensorLayout
 from geserve.backends.ge.offline import auto_complete_om, create_om_instances, find_offline_model, is_offline_model
 from geserve.backends.ge.parameters import GeOptions, parse_ge_options
@@ -100,6 +100,7 @@ class GeBackend:
         options.custom_ops = _custom_op_libraries(config, options, path, source)
         layout = _layout(config, path)
         graph = load_graph(path, self._settings.values.get("model-key-file"))
+        graph, dumper = with_dump(config, options, source, graph)
         configured = configured_accelerator(config)
 
         def accelerator(kind: int) -> str | None:  # Triton's TensorRT accelerator applies to GPU instances only
@@ -130,7 +131,7 @@ class GeBackend:
                     on_cpu = _shared_graph(path, graph, config, options, source) or graph
                 loaded = on_cpu
             session = _create_session(path, loaded, config, options, target, threads, source)
-            instances.append(GeInstance(placement.name, session, layout, target.device))
+            instances.append(make_instance(placement.name, session, layout, target.device, dumper))
         logger.info(
             "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
             config.name, source.version, len(instances), instances[0].device if instances else "-", threads,
@@ -315,7 +316,7 @@ def _create_session(
     )
     session_options.enable_cpu_mem_arena = options.enable_mem_arena
     session_options.enable_mem_pattern = options.enable_mem_pattern
-    dump_dir = Path(tempfile.gettempdir()) / "geserve_dump" / config.name / str(source.version)
+    dump_dir = dump_folder(config, options, source)
     if options.dump_graph:
         dump_dir.mkdir(parents=True, exist_ok=True)
         session_options.optimized_model_filepath = str(dump_dir / "optimized.onnx")

@@ -33,6 +33,7 @@ COMPILE_PARAMETERS = {
     "compile_out_nodes": "out_nodes",
     "compile_insert_op_conf": "insert_op_conf",
     "compile_target": "target",
+    "compile_keep_fp32": "keep_fp32",  # names, or @file relative to the model folder
 }
 
 
@@ -73,6 +74,7 @@ def compile_on_load(config: ModelConfig, source_path: Path, model_dir: Path) -> 
 def _compile_fields(config: ModelConfig, source_path: Path, model_dir: Path) -> dict[str, Any]:
     """CompileOptions keyword arguments (of several types) from the config's compile_* parameters; a TensorFlow
     source also takes Triton's TF_SIGNATURE_DEF and, for a GraphDef, its tensors from the config's inputs/outputs."""
+    from geserve.compiler.keep import parse_keep_fp32
     from geserve.compiler.options import parse_input_shapes, parse_int_list
 
     values = {key: config.parameters[key].string_value for key in COMPILE_PARAMETERS if key in config.parameters}
@@ -87,6 +89,8 @@ def _compile_fields(config: ModelConfig, source_path: Path, model_dir: Path) -> 
             fields[name] = [n.strip() for n in value.split(",") if n.strip()]
         elif name in ("calibration_data", "insert_op_conf"):
             fields[name] = model_dir / value
+        elif name == "keep_fp32":
+            fields[name] = parse_keep_fp32(value, model_dir)
         else:
             fields[name] = value.strip()
     if not is_tensorflow_model(source_path):

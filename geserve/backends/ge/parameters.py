@@ -37,7 +37,9 @@ class GeOptions:
     device_exec_blocks: int = 0  # execution contexts per device for the whole group; 0: count x instance blocks
     static_model: bool = False
     dump_graph: bool = False
-    dump_data: bool = False
+    dump_data: bool = False  # every tensor of the first dump_data_batches batches as .npy (dump.py)
+    dump_data_batches: int = 16
+    dump_path: str = ""  # where dump_graph, dump_data and profiling write; "": <temp dir>/geserve_dump
     profiling: bool = False
     intra_op_threads: int = 0  # 0: share the cores among the instances
     inter_op_threads: int = 0
@@ -103,6 +105,8 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
     "static_model": lambda o, k, v: setattr(o, "static_model", _as_bool(k, v)),
     "dump_graph": lambda o, k, v: setattr(o, "dump_graph", _as_bool(k, v)),
     "dump_data": lambda o, k, v: setattr(o, "dump_data", _as_bool(k, v)),
+    "dump_data_batches": lambda o, k, v: setattr(o, "dump_data_batches", _as_int(k, v, 1)),
+    "dump_path": lambda o, k, v: setattr(o, "dump_path", v.strip()),
     "profiling": lambda o, k, v: setattr(o, "profiling", _as_bool(k, v)),
     # Triton's onnxruntime backend spells these; a plain Triton ONNX repository keeps working.
     "intra_op_thread_count": lambda o, k, v: setattr(o, "intra_op_threads", _as_int(k, v)),
@@ -118,7 +122,8 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
 _HANDLED_ELSEWHERE = {
     "batch_gears", "adaptive_batching_target_p99_ms", "early_batch_dispatch",  # the scheduler's
     "compile_precision_mode", "compile_dynamic_batch_size", "compile_quantize", "compile_calibration_data",
-    "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",  # the compiler's
+    "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",
+    "compile_keep_fp32",  # the compiler's
     "TF_SIGNATURE_DEF",  # Triton's tensorflow backend: the SavedModel signature the compiler converts
 }
 
@@ -171,6 +176,4 @@ def parse_ge_options(config: ModelConfig) -> GeOptions:
             config.name,
             sorted(options.ge_options),
         )
-    if options.dump_data:
-        logger.warning("model '%s': dump_data is only implemented on Ascend targets; ignored here", config.name)
     return options
