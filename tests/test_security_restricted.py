@@ -50,6 +50,11 @@ def test_http_refusal_is_tritons_403_and_body(restricted: RunningServer) -> None
     answer = http(restricted.base, "/v2/repository/index", {"infer-key": INFER_SECRET}, {})
     assert answer.status == 403
     assert answer.json() == {"error": "This API is restricted, expecting header 'admin-key'"}
+    answer = http(restricted.base, "/v2/models", {"infer-key": INFER_SECRET})  # the index by model: admitted alike
+    assert answer.status == 403
+    assert answer.json() == {"error": "This API is restricted, expecting header 'admin-key'"}
+    answer = http(restricted.base, "/v2/models", {"admin-key": ADMIN_SECRET})
+    assert answer.status == 200 and "simple" in {model["name"] for model in answer.json()["models"]}
 
 
 def test_http_right_header_passes_and_other_groups_stay_open(restricted: RunningServer) -> None:

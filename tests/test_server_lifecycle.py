@@ -64,6 +64,14 @@ def test_bad_models_are_unavailable_with_reasons_and_others_serve(broken_repo: P
         assert _get(server.base + "/v2/health/live")[0] == 200
         assert _get(server.base + "/v2/models/simple/ready")[0] == 200
         assert _get(server.base + "/v2/models/bad_onnx/ready")[0] == 400
+        # GET /v2/models (not Triton's): the index by model, what a newcomer's `curl localhost:8000/v2/models` shows.
+        status, body = _get(server.base + "/v2/models")
+        listed = {entry["name"]: entry for entry in json.loads(body)["models"]}
+        assert status == 200 and set(listed) == set(index)
+        assert listed["simple"] == {"name": "simple", "state": "READY", "versions": [{"version": "1", "state": "READY"}]}
+        assert listed["bad_onnx"]["state"] == "UNAVAILABLE"
+        assert "bad_onnx/1/model.onnx" in json.dumps(listed["bad_onnx"])
+        assert _post(server.base + "/v2/models")[0] == 405
 
 
 def test_readiness_not_strict(broken_repo: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig
@@ -441,3 +442,18 @@ class ModelManager:
 
 def _load_failed(name: str, failures: list[str]) -> InvalidArgumentError:
     return InvalidArgumentError(f"load failed for model '{name}': {'; '.join(failures)}")
+
+
+def group_index(entries: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Index entries (one per model version) as one entry per model: name, state (READY when a version is, else the
+    first version's), and its versions with their states and reasons."""
+    models: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        model = models.setdefault(entry["name"], {"name": entry["name"], "state": "", "versions": []})
+        if "version" in entry:
+            model["versions"].append({key: value for key, value in entry.items() if key != "name"})
+        elif "reason" in entry:
+            model["reason"] = entry["reason"]
+        if entry.get("state") == ModelState.READY.value or not model["state"]:
+            model["state"] = entry.get("state", "")
+    return list(models.values())

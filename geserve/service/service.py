@@ -31,7 +31,7 @@ from geserve.errors import (
     UnknownSequenceError,
     UnsupportedError,
 )
-from geserve.repository.lifecycle import ModelManager
+from geserve.repository.lifecycle import ModelManager, group_index
 from geserve.repository.model import LoadedModel
 from geserve.scheduling.queue import Pending
 from geserve.scheduling.scheduler import AnswersLater, Submits
@@ -592,6 +592,12 @@ class InferenceService:
     def repository_index(self, ready_only: bool = False, context: CallContext = IN_PROCESS) -> list[dict[str, str]]:
         with self._call(ApiGroup.MODEL_REPOSITORY, "repository_index", context):
             return self._manager.index(ready_only)
+
+    def model_list(self, context: CallContext = IN_PROCESS) -> list[dict[str, Any]]:
+        """The index grouped by model (`GET /v2/models`): each model's name, its state (READY when a version is) and
+        its versions with theirs. Admitted as the index is."""
+        with self._call(ApiGroup.MODEL_REPOSITORY, "model_list", context):
+            return group_index(self._manager.index())
 
     async def load_model(
         self, name: str, parameters: dict[str, Any] | None = None, context: CallContext = IN_PROCESS

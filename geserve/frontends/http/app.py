@@ -119,6 +119,8 @@ class HttpFrontend:
         if len(parts) == 1:
             return _json(service.server_metadata(context)) if method == "GET" else _not_allowed()
         group = parts[1]
+        if group == "models" and len(parts) == 2:  # not Triton's: the list a newcomer asks first (the index's content)
+            return _json({"models": service.model_list(context)}) if method == "GET" else _not_allowed()
         if group == "models" and len(parts) > 2:
             if parts[2:] == ["stats"]:
                 return _json(await service.statistics(context=context)) if method == "GET" else _not_allowed()
