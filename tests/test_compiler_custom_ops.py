@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import urllib.error
@@ -56,14 +57,23 @@ def _graph() -> onnx.ModelProto:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder: model.onnx and the real onnxruntime-extensions library beside it, also under ops/."""
-    from onnxruntime_extensions import get_library_path
-
     folder = tmp_path_factory.mktemp("custom_source")
     onnx.save(_graph(), str(folder / "model.onnx"))
     (folder / "ops").mkdir()
-    shutil.copy(get_library_path(), folder / LIBRARY)
-    shutil.copy(get_library_path(), folder / "ops" / LIBRARY)
+    shutil.copy(extensions_library(), folder / LIBRARY)
+    shutil.copy(extensions_library(), folder / "ops" / LIBRARY)
     return folder
+
+
+def extensions_library() -> Path:
+    """onnxruntime-extensions' custom-op library, found without importing the package: its import sets
+    PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in os.environ, and every server the suite starts afterwards would
+    inherit protobuf's slow pure-Python parser (and its other error messages)."""
+    spec = importlib.util.find_spec("onnxruntime_extensions")
+    assert spec is not None and spec.submodule_search_locations, "onnxruntime-extensions is in the test extra"
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("_extensions_pydll*.so"))
+    assert found, "onnxruntime-extensions ships _extensions_pydll*.so"
+    return found[0]
 
 
 def _compile(*args: str) -> int:
