@@ -11,7 +11,7 @@ from typing import Any
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.keep import parse_keep_fp32
 from geserve.compiler.options import CompileOptions, parse_bool, parse_input_shapes, parse_int_list
-from geserve.compiler.package import load_key, read_manifest, write_package
+from geserve.compiler.package import Manifest, load_key, read_manifest, write_package
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -65,36 +65,43 @@ def run(args: argparse.Namespace) -> int:
         if args.output is None:
             print("error: geserve compile needs --output OUT.gem (or --info)", file=sys.stderr)
             return EXIT_USAGE
-        from geserve.compiler.pipeline import compile_model
-
-        options = options_from_args(args)
-        if args.check and options.insert_op_conf:
-            raise CompilerError("--check feeds both models the same inputs; it cannot follow --insert-op-conf")
-        if (args.layers or args.layers_csv or args.dump_dir) and not (args.check and args.layers):
-            raise CompilerError("--layers extends --check, and --layers-csv / --dump-dir extend --layers: give them")
-        key = load_key(args.encrypt_key_file, env="") if args.encrypt_key_file else None
-        quiet = args.quiet or not sys.stderr.isatty()
-        manifest, onnx_bytes = compile_model(options, None if quiet else _progress)
-        path = write_package(args.output, manifest, onnx_bytes, key)
-        counts = manifest.node_counts
-        print(f"[compile] graph optimization: {counts['before_optimization']} -> {counts['after_optimization']} "
-              f"nodes ({counts['source']} in the source, {counts['compiled']} compiled)", file=sys.stderr)
-        print(
-            f"wrote {path} ({len(onnx_bytes) / 1e6:.1f} MB{', encrypted' if key else ''}): "
-            f"{counts['source']} -> {counts['compiled']} nodes, precision {manifest.precision}, "
-            f"quantization {manifest.quantization}, gears {manifest.batch_gears or '-'}, target {manifest.target}"
-        )
-        if args.check:
-            for line in check(options, onnx_bytes, args.check_data):
-                print(line)
-            for line in check_layers(options, onnx_bytes, args) if args.layers else []:
-                print(line)
-        if options.target == "cuda" and key is None:
-            print(f"TensorRT engine cache ready in {prepare_tensorrt(options, onnx_bytes)}")
+        compile_and_report(args)
         return EXIT_OK
     except CompilerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def compile_and_report(args: argparse.Namespace) -> None:
+    """Compile, write the package, print what was written, then the checks and the TensorRT cache it asks for."""
+    from geserve.compiler.pipeline import compile_model
+
+    options = options_from_args(args)
+    if args.check and options.insert_op_conf:
+        raise CompilerError("--check feeds both models the same inputs; it cannot follow --insert-op-conf")
+    if (args.layers or args.layers_csv or args.dump_dir) and not (args.check and args.layers):
+        raise CompilerError("--layers extends --check, and --layers-csv / --dump-dir extend --layers: give them")
+    key = load_key(args.encrypt_key_file, env="") if args.encrypt_key_file else None
+    quiet = args.quiet or not sys.stderr.isatty()
+    manifest, onnx_bytes = compile_model(options, None if quiet else _progress)
+    path = write_package(args.output, manifest, onnx_bytes, key)
+    _report_written(path, manifest, len(onnx_bytes), key is not None)
+    if args.check:
+        lines = check(options, onnx_bytes, args.check_data)
+        print("\n".join(lines + (check_layers(options, onnx_bytes, args) if args.layers else [])))
+    if options.target == "cuda" and key is None:
+        print(f"TensorRT engine cache ready in {prepare_tensorrt(options, onnx_bytes)}")
+
+
+def _report_written(path: Path, manifest: Manifest, size: int, encrypted: bool) -> None:
+    counts = manifest.node_counts
+    print(f"[compile] graph optimization: {counts['before_optimization']} -> {counts['after_optimization']} "
+          f"nodes ({counts['source']} in the source, {counts['compiled']} compiled)", file=sys.stderr)
+    print(
+        f"wrote {path} ({size / 1e6:.1f} MB{', encrypted' if encrypted else ''}): "
+        f"{counts['source']} -> {counts['compiled']} nodes, precision {manifest.precision}, "
+        f"quantization {manifest.quantization}, gears {manifest.batch_gears or '-'}, target {manifest.target}"
+    )
 
 
 def prepare_tensorrt(options: CompileOptions, onnx_bytes: bytes) -> str:
