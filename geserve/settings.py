@@ -9,6 +9,8 @@ from pathlib import Path
 
 _ENV_PREFIX = "GESERVE_"
 _SEMICOLON_LISTS = ("http_restricted_api", "grpc_restricted_protocol", "trace_config")
+# Settings only the command line sets (repeatable <key>=<value> flags): no GESERVE_* variable is read for them.
+NOT_FROM_ENVIRONMENT = frozenset({"backend_config", "metrics_config", "cache_config"})
 
 
 @dataclass(slots=True)
@@ -161,7 +163,7 @@ class ServerSettings:
         settings = cls()
         for item in fields(cls):
             raw = variables.get(_ENV_PREFIX + item.name.upper())
-            if raw is None or item.name in ("backend_config", "metrics_config", "cache_config"):
+            if raw is None or item.name in NOT_FROM_ENVIRONMENT:
                 continue
             current = getattr(settings, item.name)
             if isinstance(current, bool):

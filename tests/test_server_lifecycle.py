@@ -68,7 +68,8 @@ def test_bad_models_are_unavailable_with_reasons_and_others_serve(broken_repo: P
         status, body = _get(server.base + "/v2/models")
         listed = {entry["name"]: entry for entry in json.loads(body)["models"]}
         assert status == 200 and set(listed) == set(index)
-        assert listed["simple"] == {"name": "simple", "state": "READY", "versions": [{"version": "1", "state": "READY"}]}
+        ready = {"name": "simple", "state": "READY", "versions": [{"version": "1", "state": "READY"}]}
+        assert listed["simple"] == ready
         assert listed["bad_onnx"]["state"] == "UNAVAILABLE"
         assert "bad_onnx/1/model.onnx" in json.dumps(listed["bad_onnx"])
         assert _post(server.base + "/v2/models")[0] == 405

@@ -130,6 +130,64 @@ _HANDLED_ELSEWHERE = {
 
 _DEVICE_PARAMETERS = CUDA_PARAMETERS | CANN_PARAMETERS
 
+# One line for every parameter accepted above (and each prefix): the site's reference/parameters.md is generated from
+# it (docs/hooks/reference_parameters.py), and tests/test_docs.py fails on a name without one.
+PARAMETER_DESCRIPTIONS = {
+    "EXECUTOR_TYPE": "GE dialect: GE, ORT or ONNXRUNTIME; checked, and every value runs the graph on ONNX Runtime.",
+    "DEVICE_ID": "GE dialect: the one device the model's instances run on.",
+    "device_ids": "Ascend's name: comma-separated devices the model's instances are placed on.",
+    "execution_accelerator": "The device family for this model (cpu, cuda, tensorrt, npu); default: the instance "
+                             "group's kind, then --backend-config=ge,execution_accelerators.",
+    "instance_exec_blocks": "Execution contexts per instance (default 1): instance_group count x this run in parallel.",
+    "device_exec_blocks": "Execution contexts per device for the whole instance group, whatever its count says.",
+    "static_model": "Ascend's name, accepted (true/false) for its configs; no effect here.",
+    "dump_graph": "Write the optimized graph (optimized.onnx; on Ascend, GE's graph dumps) under dump_path.",
+    "dump_data": "Write every tensor of the first dump_data_batches batches as .npy files under dump_path.",
+    "dump_data_batches": "How many executed batches dump_data writes (default 16).",
+    "dump_path": "Where dump_graph, dump_data and profiling write (default <temp dir>/geserve_dump).",
+    "profiling": "ONNX Runtime's profiler (pyACL's on .om models), its files under dump_path.",
+    "intra_op_thread_count": "Triton onnxruntime's name: threads within an operator (0: the cores shared among "
+                             "the instances).",
+    "inter_op_thread_count": "Triton onnxruntime's name: threads across operators in parallel execution mode.",
+    "execution_mode": "Triton onnxruntime's name: 0 (sequential, default) or 1 (parallel).",
+    "enable_mem_arena": "Triton onnxruntime's name: ONNX Runtime's CPU memory arena (default true).",
+    "enable_mem_pattern": "Triton onnxruntime's name: ONNX Runtime's memory pattern optimization (default true).",
+    "share_weights": "CPU sessions map one file of prepacked weights shared by every worker and instance "
+                     "(default true).",
+    "custom_ops": "Comma-separated custom-op libraries (.so), relative to the model folder, registered with the "
+                  "session.",
+    "batch_gears": "Scheduler: the batch sizes a static-shape graph accepts (\"1,2,4,8\"); batches are padded up to "
+                   "one.",
+    "adaptive_batching_target_p99_ms": "Scheduler: let the dynamic batcher tune its batch limit and queue delay "
+                                       "toward this p99 latency.",
+    "early_batch_dispatch": "Scheduler: send a batch before the queue delay when no request can join it "
+                            "(default true).",
+    "compile_precision_mode": "Compile on first load: --precision-mode (force_fp32, force_fp16, ...).",
+    "compile_dynamic_batch_size": "Compile on first load: --dynamic-batch-size, the batch gears.",
+    "compile_quantize": "Compile on first load: --quantize (none, int8).",
+    "compile_calibration_data": "Compile on first load: --calibration-data for INT8, relative to the model folder.",
+    "compile_input_shape": "Compile on first load: --input-shape (\"name:d0,d1;...\").",
+    "compile_out_nodes": "Compile on first load: --out-nodes, the tensors to cut the graph at.",
+    "compile_insert_op_conf": "Compile on first load: --insert-op-conf, AIPP-style preprocessing JSON (relative to "
+                              "the model folder) folded into the graph.",
+    "compile_target": "Compile on first load: --target (cpu, cuda, npu).",
+    "compile_keep_fp32": "Compile on first load: --keep-fp32, node names or op types kept in FP32 (or @file).",
+    "TF_SIGNATURE_DEF": "Triton tensorflow's name: the SavedModel signature converted on first load.",
+    "cudnn_conv_algo_search": "CUDA: cuDNN convolution algorithm search, 0 exhaustive, 1 heuristic, 2 default.",
+    "gpu_mem_limit": "CUDA: the provider's memory arena limit, in bytes.",
+    "arena_extend_strategy": "CUDA: 0 next power of two, 1 same as requested.",
+    "do_copy_in_default_stream": "CUDA: copies in the default stream (true/false).",
+    "cudnn_conv_use_max_workspace": "CUDA: let cuDNN use its largest workspace (true/false).",
+    "enable_cuda_graph": "CUDA: capture and replay CUDA graphs (true/false).",
+    "tunable_op_enable": "CUDA: ONNX Runtime's tunable operators (true/false).",
+    "use_tf32": "CUDA: TF32 math on Ampere and later (true/false).",
+    "npu_mem_limit": "CANN: the provider's memory limit, in bytes (or session.ge.graphMemoryMaxSize).",
+    "enable_cann_graph": "CANN: run the model as one Graph Engine graph (true/false).",
+    f"{_GE_PREFIXES[0]}*": "Graph Engine session options, passed to the CANN provider on Ascend targets.",
+    f"{_GE_PREFIXES[1]}*": "Graph Engine graph options (graph.ge.inputShape with graph.ge.dynamicDims: batch gears).",
+    f"{_ORT_PREFIX}*": "ort.<key>: any ONNX Runtime session config entry <key>.",
+}
+
 # A config naming the GE dialects is written for geserve: an unknown parameter in it is a mistake. One naming only
 # Triton's ONNX Runtime platform or backend was written for Triton, whose backend ignores what it does not know.
 _GE_PLATFORMS = {"graph_executor"}

@@ -1,0 +1,312 @@
+"""The documentation site: `mkdocs build --strict` passes and refuses broken links, missing anchors and pages left out
+of the nav; the generated reference covers every flag, GE parameter and metric family; getting-started runs."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from geserve.backends.ge import parameters as ge_parameters
+from geserve.backends.ge.compiled import COMPILE_PARAMETERS
+from geserve.cli import build_parser
+from geserve.devices.cann import CANN_PARAMETERS
+from geserve.devices.cuda import CUDA_PARAMETERS
+from geserve.devices.nvml import GPU_FAMILY_NAMES
+from geserve.metrics.collector import SERVER_FAMILY_NAMES
+from tests.support import doc_blocks
+from tests.support.models import EXAMPLES
+from tests.support.server import geserve
+
+ROOT = Path(__file__).resolve().parents[1]
+MKDOCS_YML = ROOT / "mkdocs.yml"
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
+_FIRST_CELL = re.compile(r"<tr>\s*<td>(.*?)</td>", re.S)
+_CODE = re.compile(r"<code>(.*?)</code>", re.S)
+# What a browser fetches on its own (a plain <a href> to another site is only a link).
+_REMOTE_RESOURCE = re.compile(r'<(?:script|img|iframe)\b[^>]*\bsrc="(?:https?:)?//|<link\b[^>]*\bhref="(?:https?:)?//')
+
+
+def build_site(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    """`mkdocs build --strict` with this interpreter, in the repository root (where the hook imports geserve)."""
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        cwd=ROOT, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("site") / "site"
+    result = build_site(MKDOCS_YML, folder)
+    if result.returncode != 0:
+        pytest.fail(f"mkdocs build --strict exited {result.returncode}:\n{result.stdout}{result.stderr}", pytrace=False)
+    return folder
+
+
+def test_the_site_builds_under_strict(site: Path) -> None:
+    for page in ("index.html", "getting-started/index.html", "reference/commands/index.html",
+                 "reference/parameters/index.html", "reference/metrics/index.html"):
+        assert (site / page).is_file(), page
+
+
+def test_the_site_loads_nothing_from_the_network(site: Path) -> None:
+    for page in site.rglob("*.html"):
+        text = page.read_text()
+        remote = _REMOTE_RESOURCE.search(text)
+        assert remote is None, f"{page.relative_to(site)} loads {text[remote.start():remote.start() + 120]}"
+        assert 'class="mermaid"' not in text, f"{page.relative_to(site)}: Material loads mermaid from a CDN"
+
+
+# ---- a stub site: the real configuration and hooks, one-line pages ------------------------------------------------
+
+def _nav_pages(nav: list[object]) -> list[str]:
+    pages: list[str] = []
+    for entry in nav:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += _nav_pages(value) if isinstance(value, list) else [str(value)]
+    return pages
+
+
+def _write_stub_site(folder: Path) -> Path:
+    """mkdocs.yml beside a docs/ of one-line pages for its nav, with the real hooks: builds as the real site does."""
+    config = yaml.safe_load(MKDOCS_YML.read_text())
+    shutil.copy(MKDOCS_YML, folder / "mkdocs.yml")
+    shutil.copytree(ROOT / "docs" / "hooks", folder / "docs" / "hooks", ignore=shutil.ignore_patterns("__pycache__"))
+    for page in _nav_pages(config["nav"]):
+        if not page.startswith("reference/"):
+            (folder / "docs" / page).parent.mkdir(parents=True, exist_ok=True)
+            (folder / "docs" / page).write_text(f"# {page}\n")
+    return folder / "mkdocs.yml"
+
+
+def _append(page: str, text: str) -> Callable[[Path], None]:
+    def breaks(docs: Path) -> None:
+        (docs / page).parent.mkdir(parents=True, exist_ok=True)
+        with open(docs / page, "a") as file:
+            file.write(text)
+    return breaks
+
+
+_BREAKAGES = {
+    "a page left out of the nav": (_append("orphan.md", "# Orphan\n"), "orphan.md"),
+    "a link to a missing page": (_append("index.md", "\n[gone](no-such-page.md)\n"), "no-such-page.md"),
+    "a link to a missing anchor": (_append("index.md", "\n[gone](getting-started.md#no-such-anchor)\n"),
+                                   "no-such-anchor"),
+    "a link to a missing reference row": (_append("index.md", "\n[gone](reference/commands.md#serve-no-such-flag)\n"),
+                                          "serve-no-such-flag"),
+    "a hand-written page in place of a generated one": (_append("reference/commands.md", "# Commands\n"),
+                                                         "is generated by docs/hooks/reference.py"),
+}
+
+
+@pytest.fixture(scope="module")
+def stub_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A site of one-line pages with the real mkdocs.yml and hooks (so the reference checks do not wait on the prose),
+    built, with links into the reference pages as the guides write them: to rows and to headings."""
+    folder = tmp_path_factory.mktemp("stub")
+    config = _write_stub_site(folder)
+    _append("index.md", "\n[port](reference/commands.md#serve-http-port) [serve](reference/commands.md#geserve-serve)"
+                        " [blocks](reference/parameters.md#instance_exec_blocks)"
+                        " [count](reference/metrics.md#nv_inference_count)\n")(folder / "docs")
+    sound = build_site(config, folder / "site")
+    assert sound.returncode == 0, sound.stdout + sound.stderr
+    return folder
+
+
+# ---- the generated reference covers the code ----------------------------------------------------------------------
+
+def _sections(page: Path) -> dict[str, str]:
+    """The page's HTML by <h2> id."""
+    parts = re.split(r'<h2 id="([^"]+)"', page.read_text())
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _row_names(fragment: str) -> set[str]:
+    """The code spans of every table row's first cell: the names the rows document."""
+    return {html.unescape(code) for cell in _FIRST_CELL.findall(fragment) for code in _CODE.findall(cell)}
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    commands = {"geserve": parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            commands.update({f"geserve-{name}": sub for name, sub in action.choices.items()})
+    return commands
+
+
+def _arguments(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string the parser accepts (help aside) and the names of its positional arguments."""
+    options = set(parser._option_string_actions) - {"-h", "--help"}
+    subcommands = (argparse._SubParsersAction,)
+    positionals = {str(a.metavar or a.dest) for a in parser._actions
+                   if not a.option_strings and not isinstance(a, subcommands)}
+    return options | positionals
+
+
+def test_the_reference_lists_every_flag_of_every_command(stub_docs: Path) -> None:
+    site = stub_docs / "site"
+    sections = _sections(site / "reference" / "commands" / "index.html")
+    for section, parser in _commands().items():
+        assert section in sections, f"reference/commands.md has no section for {section}"
+        expected, documented = _arguments(parser), _row_names(sections[section])
+        assert expected - documented == set(), f"{section}: flags the reference lacks"
+        assert documented - expected == set(), f"{section}: the reference lists flags the parser does not have"
+
+
+def _ge_parameters() -> set[str]:
+    """Every parameter name the GE backend, its scheduler and compiler and the device modules read, and the
+    prefixes accepted (as `session.ge.*`)."""
+    prefixes = {f"{p}*" for p in (*ge_parameters._GE_PREFIXES, ge_parameters._ORT_PREFIX)}
+    return (set(ge_parameters._SETTERS) | set(ge_parameters._HANDLED_ELSEWHERE) | set(ge_parameters._DEVICE_PARAMETERS)
+            | set(COMPILE_PARAMETERS) | CUDA_PARAMETERS | CANN_PARAMETERS | prefixes)
+
+
+def test_every_ge_parameter_has_a_description() -> None:
+    descriptions = ge_parameters.PARAMETER_DESCRIPTIONS
+    assert _ge_parameters() - set(descriptions) == set(), "add these to PARAMETER_DESCRIPTIONS (parameters.py)"
+    assert set(descriptions) - _ge_parameters() == set(), "PARAMETER_DESCRIPTIONS describes names nothing reads"
+    assert all(text.strip() and "\n" not in text for text in descriptions.values())
+
+
+def test_the_reference_lists_every_ge_parameter(stub_docs: Path) -> None:
+    site = stub_docs / "site"
+    documented = _row_names((site / "reference" / "parameters" / "index.html").read_text())
+    assert documented == _ge_parameters()
+
+
+def test_the_reference_lists_every_metric_family(stub_docs: Path) -> None:
+    site = stub_docs / "site"
+    page = (site / "reference" / "metrics" / "index.html").read_text()
+    assert _row_names(page) == SERVER_FAMILY_NAMES | GPU_FAMILY_NAMES
+    types = re.findall(r"<tr>\s*<td>.*?</td>\s*<td>(\w+)</td>", page, re.S)
+    assert len(types) == len(SERVER_FAMILY_NAMES | GPU_FAMILY_NAMES)
+    assert set(types) <= {"counter", "gauge", "histogram", "summary"}
+
+
+# ---- the build refuses what a reader would trip on ------------------------------------------------------------------
+
+@pytest.mark.parametrize("breakage", sorted(_BREAKAGES))
+def test_the_build_fails_on(breakage: str, stub_docs: Path, tmp_path: Path) -> None:
+    shutil.copy(stub_docs / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    shutil.copytree(stub_docs / "docs", tmp_path / "docs")
+    breaks, named = _BREAKAGES[breakage]
+    breaks(tmp_path / "docs")
+    broken = build_site(tmp_path / "mkdocs.yml", tmp_path / "site")
+    output = broken.stdout + broken.stderr
+    assert broken.returncode != 0 and named in output, output
+
+
+def test_the_doc_hooks_pass_ruff() -> None:
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-fix", "docs"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- docs that run ------------------------------------------------------------------------------------------------
+
+def test_the_extractor_takes_marked_blocks_only(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("""\
+# Page
+
+```bash
+echo not tested
+```
+
+<!-- tested -->
+```bash
+echo one
+```
+
+!!! note
+    <!-- tested -->
+    ~~~python title="two.py"
+    print("two")
+    ~~~
+
+````markdown
+<!-- tested -->
+```bash
+echo inside another block: an example, not a test
+```
+````
+
+<!-- tested -->
+```sh
+echo three
+```
+""")
+    blocks = doc_blocks.extract(page.read_text())
+    assert [(b.language, b.code, b.line) for b in blocks] == [
+        ("bash", "echo one\n", 8), ("python", 'print("two")\n', 14), ("bash", "echo three\n", 26),
+    ]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("<!-- tested -->\n\n```bash\necho\n```\n", "must be followed at once"),
+    ("<!-- tested -->\nsome prose\n", "must be followed at once"),
+    ("<!-- tested -->\n```json\n{}\n```\n", "not 'json'"),
+    ("<!-- tested -->\n```\necho\n```\n", "not ''"),
+    ("<!-- tested -->\n```bash\necho\n", "never closed"),
+])
+def test_the_extractor_refuses_a_broken_convention(text: str, problem: str) -> None:
+    with pytest.raises(doc_blocks.DocBlockError, match=problem):
+        doc_blocks.extract(text)
+
+
+def test_blocks_talk_to_the_live_ports_and_this_interpreter() -> None:
+    ports = doc_blocks.Ports(18000, 18001, 18002)
+    code = ("curl localhost:8000/v2 127.0.0.1:8002/metrics -u localhost:8001 localhost:80001\n"
+            ".venv/bin/python - ./.venv/bin/python x/.venv/bin/python .venv/bin/python3\n")
+    assert doc_blocks.localize(code, ports, python="/py") == (
+        "curl localhost:18000/v2 127.0.0.1:18002/metrics -u localhost:18001 localhost:80001\n"
+        "/py - /py x/.venv/bin/python .venv/bin/python3\n"
+    )
+
+
+def test_a_failing_block_is_reported_with_its_text_and_output(tmp_path: Path) -> None:
+    ports = doc_blocks.Ports(18000, 18001, 18002)
+    block = doc_blocks.Block("bash", "echo to localhost:8000\nfalse\necho never\n", 3)
+    result = doc_blocks.run(block, ports, tmp_path)
+    assert result.returncode == 1 and result.stdout == "to localhost:18000\n"
+    report = doc_blocks.failure_report("page.md", block, ports, result)
+    assert "page.md:3" in report and "false\necho never" in report and "to localhost:18000" in report
+    python = doc_blocks.run(doc_blocks.Block("python", "import sys; print(sys.executable)\n", 1), ports, tmp_path)
+    assert python.returncode == 0 and python.stdout.strip() == sys.executable
+    curl = doc_blocks.run(doc_blocks.Block("bash", "type curl\n", 1), ports, tmp_path)
+    assert "--fail-with-body" in curl.stdout, "an HTTP error must fail a block's curl"
+
+
+def _example_repository() -> Path:
+    """examples/model_repository, built first if scripts/bootstrap.sh has not (a no-op once built)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from build import REPOSITORY
+    from build import main as build_examples
+
+    build_examples([])
+    return Path(REPOSITORY)
+
+
+def test_the_getting_started_blocks_run_against_a_live_server(tmp_path: Path) -> None:
+    blocks = doc_blocks.extract(GETTING_STARTED.read_text())
+    assert blocks, f"{GETTING_STARTED.relative_to(ROOT)} has no block marked {doc_blocks.MARKER}"
+    with geserve([_example_repository()], tmp_path / "geserve.log") as server:
+        ports = doc_blocks.Ports(server.http_port, server.grpc_port, server.metrics_port)
+        for block in blocks:
+            result = doc_blocks.run(block, ports, ROOT)
+            if result.returncode != 0:
+                report = doc_blocks.failure_report(str(GETTING_STARTED.relative_to(ROOT)), block, ports, result)
+                pytest.fail(f"{report}\n--- server log ---\n{server.log()[-3000:]}", pytrace=False)
