@@ -62,7 +62,7 @@ class ServerSettings:
     log_verbose: int = 0
     trace_config: list[str] = field(default_factory=list)
     """Triton's --trace-config=[<mode>,]<setting>=<value> (repeatable): rate, level, count, mode; triton,file /
-    triton,log-frequency; opentelemetry,url / resource / bsp_* (README "Tracing"). ';' separates in the env."""
+    triton,log-frequency; opentelemetry,url / resource / bsp_* (docs/guide/metrics-tracing.md). ';' separates in the env."""
     http_max_input_size: int = 64 * 1024 * 1024
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
     http_server: str = "native"
@@ -129,7 +129,7 @@ class ServerSettings:
     """Triton's --exit-timeout-secs: on SIGTERM, how long in-flight requests and streams get to finish."""
     server_id: str = "geserve"
     """Triton's --id: the name the server metadata reports."""
-    # ---- security (README "Security"); every one off by default ----
+    # ---- security (docs/guide/security.md); every one off by default ----
     http_restricted_api: list[str] = field(default_factory=list)
     """Triton's --http-restricted-api=<groups>:<header>=<value> (repeatable): calls of those API groups over HTTP
     need the header with that value, else 403. In GESERVE_HTTP_RESTRICTED_API, ';' separates several."""

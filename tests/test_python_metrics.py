@@ -1,7 +1,7 @@
 """Custom metrics of Python models (pb_utils.MetricFamily) on /metrics: geserve alone after known traffic, misuse,
 deletion and unload; then the same model.py side by side on the real Triton (tests marked `reference`).
 
-Deliberate differences, asserted where they show (README, "Custom metrics from Python models"):
+Deliberate differences, asserted where they show (docs/guide/ensembles-python.md):
 - unloading a model removes its families from /metrics (Triton 2.51 keeps them, values and all, for ever);
 - two MetricFamily objects for one name share their series until the last goes (Triton 2.51 removes the series
   when either is deleted, and the other's metrics then write freed memory): not run on Triton;

@@ -3,7 +3,7 @@ app as Ray's ingress and the gRPC servicer behind Ray's gRPC proxy; `run` deploy
 
 Per replica, as in a single geserve: the models (each replica loads the same repository), `/v2/models/stats`
 (the answering replica's) and `/metrics`, served by each replica at --metrics-port + its rank (0, 1, ... across
-the deployment) on its node (README "Scale out" shows the Prometheus aggregation). Ray's proxies only route:
+the deployment) on its node (docs/guide/scaling-out.md shows the Prometheus aggregation). Ray's proxies only route:
 nothing is shared between replicas.
 """
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from geserve.config import ModelConfig
 
-# Configs the GE backend serves (README, "What geserve is"): these can take the compile_* parameters.
+# Configs the GE backend serves (docs/guide/ge-backend.md): these can take the compile_* parameters.
 GE_PLATFORMS = ("graph_executor", "onnxruntime_onnx")
 GE_BACKENDS = ("npu_ge", "onnxruntime", "ge")
 

@@ -6,7 +6,7 @@ worker (dispatch.py); the other servers' ports the workers share with SO_REUSEPO
 unload, shared memory regions, log settings), gathers their statistics and metrics (it serves the metrics port
 itself), tells them when all are ready, restarts a worker that dies (replaying the control calls the server ran,
 so it comes back with the same models), and forwards a sequence's request to the worker that holds the sequence.
-Models live in every worker (see README "Workers" for the measurement behind that choice).
+Models live in every worker (see docs/guide/workers.md and docs/design.md for the measurement behind that choice).
 """
 
 from __future__ import annotations
