@@ -146,7 +146,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-verbose", type=int, nargs="?", const=1, default=0)
     add("--trace-config", dest="trace_config", action="append", default=[], metavar="[<mode>,]<setting>=<value>",
         help="Triton's tracing: rate=N, level=TIMESTAMPS|TENSORS, count=N, mode=triton|opentelemetry, "
-             "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL (repeatable; docs/guide/metrics-tracing.md)")
+             "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL (repeatable; see "
+             "docs/guide/metrics-tracing.md)")
     # Security (docs/guide/security.md): Triton's restricted APIs, then geserve's own token auth and audit log.
     add("--http-restricted-api", action="append", default=[], metavar="<groups>:<header>=<value>",
         help="calls of these API groups (comma-separated: health, metadata, inference, shared-memory, model-config, "

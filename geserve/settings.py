@@ -62,7 +62,8 @@ class ServerSettings:
     log_verbose: int = 0
     trace_config: list[str] = field(default_factory=list)
     """Triton's --trace-config=[<mode>,]<setting>=<value> (repeatable): rate, level, count, mode; triton,file /
-    triton,log-frequency; opentelemetry,url / resource / bsp_* (docs/guide/metrics-tracing.md). ';' separates in the env."""
+    triton,log-frequency; opentelemetry,url / resource / bsp_* (docs/guide/metrics-tracing.md). ';' separates in the
+    env."""
     http_max_input_size: int = 64 * 1024 * 1024
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
     http_server: str = "native"
