@@ -2,7 +2,8 @@
 # Installs the reference systems geserve is compared against (see DESIGN.md "Reference systems"):
 #   * perf_analyzer from the main .venv (tritonclient 2.41.0 wheel): needs Debian's libb64-0d;
 #   * the real NVIDIA tritonserver binary from nvidia-pytriton 0.7.0, in its own venv .venv-ref
-#     (pytriton wants numpy<2 and tritonclient~=2.50, which clash with the main venv);
+#     (pytriton wants numpy<2 and tritonclient~=2.50, which clash with the main venv), from the locks
+#     locks/reference-pytriton.txt and locks/reference-py<X.Y>.txt (scripts/update_locks.sh writes them);
 #   * espeak-ng and sox from Debian, which make the speech recording of the Silero VAD test
 #     (tests/test_vad_speech.py) and bench/vad_bench.py; that test skips without them.
 # Idempotent; a second run only checks. Run from anywhere: paths are relative to the repo root.
@@ -11,7 +12,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REF_VENV="$ROOT/.venv-ref"
 PYTHON="${PYTHON:-python3}"
-PYTRITON_VERSION="0.7.0"
 
 log() { echo "install_reference: $*" >&2; }
 
@@ -61,15 +61,35 @@ pip_quiet() {
     return "$rc"
 }
 
-if [ ! -x "$TS/bin/tritonserver" ]; then
-    # --no-deps: the pytriton Python API (and its tritonclient~=2.50) is not used, only the binary.
-    pip_quiet --no-deps "nvidia-pytriton==$PYTRITON_VERSION"
-fi
-# What the Python backend stub, our generated model.py and the example pipelines' models
-# (examples/pipelines: Pillow, OpenCV, tokenizers) import.
-if ! "$REF_VENV/bin/python" -c 'import numpy, onnxruntime, PIL, cv2, tokenizers; assert numpy.__version__ < "2"' \
-        >/dev/null 2>&1; then
-    pip_quiet "numpy<2" onnxruntime pillow opencv-python-headless tokenizers
+# nvidia-pytriton with --no-deps (only its binary is used: locks/reference-pytriton.in), and what the Python backend
+# stub, our generated model.py and the example pipelines' models import (locks/reference.in), both hash-checked from
+# their locks; without a lock for this Python, locks/reference.in's ranges. The stamp holds the hashes of the files
+# followed, so a changed lock reinstalls.
+ref_lock="locks/reference-py$PYVER.txt"
+inputs=()
+for file in locks/pip.txt locks/reference-pytriton.txt "$ref_lock"; do
+    if [ -f "$ROOT/$file" ]; then inputs+=("$file"); fi
+done
+stamp="$REF_VENV/.geserve-reference-installed"
+wanted="$(cd "$ROOT" && sha256sum "${inputs[@]}" | sha256sum | cut -d' ' -f1)"
+imports='import numpy, onnxruntime, PIL, cv2, tokenizers; assert numpy.__version__ < "2"'
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$wanted" ] || [ ! -x "$TS/bin/tritonserver" ] \
+        || ! "$REF_VENV/bin/python" -c "$imports" >/dev/null 2>&1; then
+    if [ -f "$ROOT/locks/pip.txt" ]; then
+        pip_quiet --require-hashes --no-deps -r "$ROOT/locks/pip.txt"
+    fi
+    if [ -f "$ROOT/locks/reference-pytriton.txt" ]; then
+        pip_quiet --require-hashes --no-deps -r "$ROOT/locks/reference-pytriton.txt"
+    else
+        pip_quiet --no-deps -r "$ROOT/locks/reference-pytriton.in"
+    fi
+    if [ -f "$ROOT/$ref_lock" ]; then
+        pip_quiet --require-hashes --no-deps -r "$ROOT/$ref_lock"
+    else
+        log "no lock for Python $PYVER ($ref_lock): installing locks/reference.in's ranges, unlocked"
+        pip_quiet -r "$ROOT/locks/reference.in"
+    fi
+    echo "$wanted" > "$stamp"
 fi
 [ -x "$TS/bin/tritonserver" ] || { log "tritonserver binary missing at $TS/bin"; exit 1; }
 
