@@ -578,6 +578,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         strategy="oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 20000 }",
     )
     models.python_accumulator(repo)
+    models.accumulator(repo, "accumulator_state_output", state_output=True)
     with geserve([repo], tmp_path_factory.mktemp("sequence_logs") / "server.log") as running:
         yield running
 
@@ -743,6 +744,25 @@ def test_state_and_controls_are_invisible_to_clients(server: RunningServer) -> N
     config = client.get_model_config("accumulator")
     assert config["sequence_batching"]["max_sequence_idle_microseconds"] == 5_000_000
     assert config["sequence_batching"]["state"][0]["input_name"] == "STATE_IN"
+
+
+def test_a_state_declared_as_an_output_is_answered_and_still_carried(server: RunningServer) -> None:
+    """Triton's ImplicitStateTest.test_request_output: STATE_OUT is both the state and a declared output."""
+    client = httpclient.InferenceServerClient(server.url)
+    name = "accumulator_state_output"
+    assert [t["name"] for t in client.get_model_metadata(name)["outputs"]] == [
+        "OUTPUT", "CONTROLS", "CORRID_OUT", "STATE_OUT"]
+
+    def call(x: int, names: list[str] | None, **flags: Any) -> Any:
+        outputs = None if names is None else [httpclient.InferRequestedOutput(n) for n in names]
+        return client.infer(name, http_inputs(x), outputs=outputs, sequence_id=8101, **flags)
+
+    first = call(1, ["STATE_OUT", "OUTPUT"], sequence_start=True)
+    assert int(first.as_numpy("STATE_OUT").ravel()[0]) == 1 and int(first.as_numpy("OUTPUT").ravel()[0]) == 1
+    second = call(2, ["OUTPUT"])  # not asked for: not answered, still carried
+    assert second.as_numpy("STATE_OUT") is None and int(second.as_numpy("OUTPUT").ravel()[0]) == 3
+    last = call(3, None, sequence_end=True)  # every output asked for: the state is one of them
+    assert int(last.as_numpy("STATE_OUT").ravel()[0]) == 6 and int(last.as_numpy("OUTPUT").ravel()[0]) == 6
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

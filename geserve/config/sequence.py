@@ -54,6 +54,9 @@ class StateSpec:
     datatype: DataType
     dims: tuple[int, ...]
     initial: np.ndarray | None  # the `initial_state` value, shaped by its dims; None: zeros (variable dims as 1)
+    # `output_name` is a declared output too: as Triton's backends do (onnxruntime's `model_outputs_`), it still
+    # carries the state and goes to a client that asks for it (or for every output).
+    declared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,10 +290,12 @@ def sequence_inputs(config: ModelConfig) -> list[ModelInput]:
 
 
 def sequence_outputs(config: ModelConfig) -> list[ModelOutput]:
-    """The state outputs the sequence batcher reads back and keeps; never answered to a client."""
+    """The state outputs the sequence batcher reads back and keeps, never answered to a client: those the config
+    does not declare as outputs too (a declared one is a client's output as well, seen with the others)."""
     if not is_sequence_model(config):
         return []
-    states = config.sequence_batching.state
+    declared = {output.name for output in config.output}
+    states = [s for s in config.sequence_batching.state if s.output_name not in declared]
     return [ModelOutput(name=s.output_name, data_type=s.data_type, dims=list(s.dims)) for s in states]
 
 
@@ -300,7 +305,8 @@ def sequence_outputs(config: ModelConfig) -> list[ModelOutput]:
 def _state_spec(config: ModelConfig, state: ModelSequenceBatching.State, model_dir: Path | None) -> StateSpec:
     datatype = BY_CONFIG[state.data_type]
     initial = _initial_value(config, state, datatype, model_dir) if state.initial_state else None
-    return StateSpec(state.input_name, state.output_name, datatype, tuple(state.dims), initial)
+    declared = any(output.name == state.output_name for output in config.output)
+    return StateSpec(state.input_name, state.output_name, datatype, tuple(state.dims), initial, declared)
 
 
 def _initial_value(

@@ -194,7 +194,7 @@ class SequenceBatcher(AnswersLater):
 
     def finish(self, item: Item, result: InferenceResponse | BaseException) -> None:
         if not isinstance(result, BaseException) and item.state is not None:
-            self.inputs.take_state(result, item.state)
+            self.inputs.take_state(result, item.state, item.pending.request.outputs)
         self._answer(item.pending, result)
 
     def _answer(self, pending: Pending, result: InferenceResponse | BaseException) -> None:

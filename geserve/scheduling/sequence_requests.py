@@ -1,6 +1,6 @@
 """What an instance is handed for one request of a sequence: the request with its control inputs and its sequence's
 implicit state added, the not-ready null request that fills an empty slot of a direct batch, and the response with
-the state outputs taken back out (a client never sees a state).
+the state outputs taken back out (a client sees a state only where the config also declares it as an output).
 
 The client's request is never changed: the instance gets a copy that carries the added inputs, so the service still
 reads the request's own outputs (shared memory placements, classification) afterwards.
@@ -55,6 +55,7 @@ class SequenceInputs:
         self._corrid = settings.corrid
         self._states = settings.states
         self._state_outputs = {s.output_name: s.input_name for s in settings.states}
+        self._declared_states = frozenset(s.output_name for s in settings.states if s.declared)
         self._warned_missing_state = False
         # The boolean controls' tensors never change: built once, shared by every request (nothing writes them).
         self._control_values: dict[tuple[str, bool], InputTensor] = {}
@@ -102,7 +103,7 @@ class SequenceInputs:
                 value = state.tensors[spec.input_name]
                 inputs.append(InputTensor(spec.input_name, spec.datatype.wire, value.shape, value))
             if outputs is not None:  # asked for by name too, so the instance computes them (None: it sends all)
-                outputs = [*outputs, *(RequestedOutput(name) for name in self._state_outputs)]
+                outputs = [*outputs, *self._unrequested_states(outputs)]
         return dataclasses.replace(request, inputs=inputs, outputs=outputs)
 
     def null(self, like: InferenceRequest) -> InferenceRequest:
@@ -124,24 +125,54 @@ class SequenceInputs:
         null.batch_size = like.batch_size
         return null
 
-    def take_state(self, response: InferenceResponse, state: SequenceState) -> None:
-        """Move the state outputs out of `response` into `state`; a state the model did not send keeps its value."""
+    def take_state(
+        self, response: InferenceResponse, state: SequenceState, requested: list[RequestedOutput] | None
+    ) -> None:
+        """Move the state outputs out of `response` into `state`; a state the model did not send keeps its value.
+        One the config also declares as an output stays in `response` when the client asked for it (`requested`;
+        None: every output), as Triton's backends answer it while still carrying it as the state."""
         if not self._states:
             return
+        returned = self._returned_states(requested)
         kept = []
+        taken = 0
         for output in response.outputs:
             name = self._state_outputs.get(output.name)
             if name is None:
                 kept.append(output)
+                continue
+            taken += 1
+            if output.name in returned:
+                kept.append(output)
+                # The response's array is encoded later, perhaps after the next request ran (a Python model may
+                # write into its inputs): the state keeps its own copy.
+                state.tensors[name] = output.data.copy()
             else:
                 state.tensors[name] = output.data
-        if len(kept) + len(self._state_outputs) != len(response.outputs) and not self._warned_missing_state:
+        if taken != len(self._state_outputs):
+            self._warn_missing_state()
+        response.outputs = kept
+
+    def _unrequested_states(self, outputs: list[RequestedOutput]) -> list[RequestedOutput]:
+        """The state outputs a request that names its outputs did not name (a declared state may be among them)."""
+        if not self._declared_states:
+            return [RequestedOutput(name) for name in self._state_outputs]
+        named = {o.name for o in outputs}
+        return [RequestedOutput(name) for name in self._state_outputs if name not in named]
+
+    def _returned_states(self, requested: list[RequestedOutput] | None) -> frozenset[str]:
+        """The declared state outputs the client gets: those it asked for, or all of them when it named none."""
+        if not self._declared_states or requested is None:
+            return self._declared_states
+        return self._declared_states.intersection(o.name for o in requested)
+
+    def _warn_missing_state(self) -> None:
+        if not self._warned_missing_state:
             self._warned_missing_state = True
             logger.warning(
                 "model '%s' answered a request of a sequence without all of its state outputs %s: a state it did not "
                 "send keeps its value", self._model, sorted(self._state_outputs),
             )
-        response.outputs = kept
 
     # ---- tensors --------------------------------------------------------------------------------------------
 

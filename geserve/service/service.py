@@ -294,6 +294,15 @@ class InferenceService:
         finally:
             self._leave()
 
+    def decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the model's transaction policy is decoupled (Triton's TRITONSERVER_ServerModelTransactionProperties),
+        asked when a stream reads a request: a non-decoupled model's response keeps its request's place. False for a
+        model not found, whose error then takes its place, as in Triton."""
+        try:
+            return self._manager.get(name, version).decoupled
+        except GeserveError:
+            return False
+
     def model_now(self, name: str, version: str = "") -> ReadyModel | None:
         """The model, when its scheduler would run a request at once on the loop (a short model with a free instance,
         no batching, no response cache, no trace): `infer_now` then answers without awaiting. Else None."""

@@ -294,11 +294,13 @@ def accumulator(
     max_batch_size: int = 4,
     initial_value: int | None = None,
     instances: int = 1,
+    state_output: bool = False,
 ) -> Path:
     """A stateful ONNX model for the sequence batcher: OUTPUT = INPUT + STATE_IN and STATE_OUT = OUTPUT (INT32 [1]),
     the state kept by the server between a sequence's requests (implicit state, zero at START, or `initial_value`
     read from initial_state/start.bin). CONTROLS echoes START, END and READY as INT32 [3] (given as int32, fp32 and
-    bool controls) and CORRID_OUT the UINT64 correlation id, so a test sees what the batcher fed."""
+    bool controls) and CORRID_OUT the UINT64 correlation id, so a test sees what the batcher fed. `state_output`:
+    STATE_OUT is declared an output too (Triton's `*_sequence_int32_output` models), so a client may ask for it."""
     batch = ["batch"] if max_batch_size else []
     one = [*batch, 1]
     graph = helper.make_graph(
@@ -321,6 +323,7 @@ def accumulator(
          helper.make_tensor_value_info("CORRID_OUT", TensorProto.UINT64, one)],
     )
     initial = 'zero_data: true name: "zero"' if initial_value is None else 'data_file: "start.bin" name: "file"'
+    declared_state = ',\n  { name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ] }' if state_output else ""
     config = f"""
 name: "{name}"
 backend: "onnxruntime"
@@ -329,7 +332,7 @@ input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 output [
   {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }},
   {{ name: "CONTROLS" data_type: TYPE_INT32 dims: [ 3 ] }},
-  {{ name: "CORRID_OUT" data_type: TYPE_UINT64 dims: [ 1 ] }}
+  {{ name: "CORRID_OUT" data_type: TYPE_UINT64 dims: [ 1 ] }}{declared_state}
 ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
 sequence_batching {{

@@ -18,6 +18,7 @@ from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.status import GRPC_STATUS
+from geserve.frontends.grpc.stream_order import InOrder
 from geserve.frontends.tls import GrpcTls, TlsEndpoint, TlsFiles, grpc_peer_subject
 from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService, ReadyModel
@@ -228,10 +229,11 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
-        """Every request runs as soon as it arrives; responses go out as they complete, errors in-band
-        (`error_message`) unless the client sent `triton_grpc_error: true`, which ends the stream instead.
-        A decoupled model's responses go out one by one as it sends them, `triton_final_response` true on the
-        last; its final flag sent alone becomes an empty response only if the request enabled that."""
+        """Every request runs as soon as it arrives; a non-decoupled model's response goes out in its request's
+        place (stream_order.InOrder, as Triton's stream_infer_handler.cc), errors in-band (`error_message`) unless
+        the client sent `triton_grpc_error: true`, which ends the stream instead. A decoupled model's responses go
+        out one by one as it sends them, `triton_final_response` true on the last; its final flag sent alone
+        becomes an empty response only if the request enabled that."""
         call = call_context(context)
         try:  # refused at its start, as Triton refuses a restricted stream; each request is still admitted
             self._service.authorize(ApiGroup.INFERENCE, call, "infer_stream")
@@ -248,11 +250,16 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if write_now is None or writing or not queue.empty() or not write_now(item):
                 queue.put_nowait(item)
 
-        def fault(error: GeserveError, request_id: str) -> None:
-            if strict:
-                queue.put_nowait(error)  # the writer ends the stream with it
+        def out(item: Any) -> None:
+            if isinstance(item, GeserveError):
+                queue.put_nowait(item)  # strict: the writer ends the stream with it
             else:
-                send(convert.to_stream_error(error, request_id))
+                send(item)
+
+        def failure(error: GeserveError, request_id: str) -> Any:
+            return error if strict else convert.to_stream_error(error, request_id)
+
+        order = InOrder(out)
 
         def answer_now(message: pb.ModelInferRequest) -> bool:
             """A request its model answers at once (InferenceService.model_now) is answered here, without a task
@@ -264,31 +271,39 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 response = self._service.infer_now(model, request, call, "infer_stream")
             except GeserveError as exc:
-                fault(exc, message.id)
+                item = failure(exc, message.id)
             except Exception as exc:
                 logger.exception("unhandled error serving a streamed request")
-                fault(InternalError(f"internal error: {exc}"), message.id)
+                item = failure(InternalError(f"internal error: {exc}"), message.id)
             else:
-                send(convert.to_stream_response(response, request, True))
+                item = convert.to_stream_response(response, request, True)
+            order.now(item)  # model_now never gives a decoupled model
             return True
 
-        async def answer(message: pb.ModelInferRequest) -> None:
+        async def answer(message: pb.ModelInferRequest, emit: Callable[[Any], None]) -> None:
             decoded = self._decode(message)
             request = decoded.request
             try:
                 async for item in self._service.infer_stream(request, call):
                     if item.error is not None:
-                        fault(item.error, message.id)
+                        emit(failure(item.error, message.id))
                     elif item.response is not None:
-                        send(convert.to_stream_response(item.response, request, item.final))
+                        emit(convert.to_stream_response(item.response, request, item.final))
                     elif decoded.empty_final:
                         empty = InferenceResponse(request.model_name, request.model_version, [], request.id)
-                        send(convert.to_stream_response(empty, request))
+                        emit(convert.to_stream_response(empty, request))
             except GeserveError as exc:
-                fault(exc, message.id)
+                emit(failure(exc, message.id))
             except Exception as exc:
                 logger.exception("unhandled error serving a streamed request")
-                fault(InternalError(f"internal error: {exc}"), message.id)
+                emit(failure(InternalError(f"internal error: {exc}"), message.id))
+
+        async def answer_in_turn(message: pb.ModelInferRequest, turn: int) -> None:
+            items: list[Any] = []
+            try:
+                await answer(message, items.append)
+            finally:  # however it ends (cancelled too): a turn never given up would hold back every later response
+                order.done(turn, items)
 
         answer_messages_now = getattr(context, "answer_messages_now", None)  # the native server's, as they arrive
         if answer_messages_now is not None:
@@ -298,11 +313,17 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for message in request_iterator:
                     if type(message) is convert.Unparsable:  # answered like any refused request; the stream goes on
-                        fault(message.error(), "")
+                        order.now(failure(message.error(), ""))
                         continue
                     if answer_now(message):
                         continue
-                    task = asyncio.create_task(answer(message))
+                    # Triton asks the model's transaction policy as it reads the request: an unknown model's error
+                    # keeps its place too.
+                    if self._service.decoupled(message.model_name, message.model_version):
+                        work = answer(message, out)
+                    else:
+                        work = answer_in_turn(message, order.turn())
+                    task = asyncio.create_task(work)
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
