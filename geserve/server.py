@@ -30,9 +30,9 @@ from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
 from geserve.service.context import CallPolicy
-from geserve.service.response_cache import CacheConfigError, build_response_cache
+from geserve.service.response_cache import CacheConfigError, ResponseCache, build_response_cache
 from geserve.service.runtime_settings import LogSettings
-from geserve.service.security import SecurityConfigError, build_security
+from geserve.service.security import Security, SecurityConfigError, build_security
 from geserve.service.service import InferenceService
 from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.service.tracing.config import TraceConfigError, parse_trace_config
@@ -58,12 +58,7 @@ class Server:
     def __init__(
         self, settings: ServerSettings, policies: Sequence[CallPolicy] = (), link: WorkerLink | None = None
     ) -> None:
-        if settings.model_control_mode not in ("none", "explicit", "poll"):
-            raise StartupError(
-                f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none, explicit or poll"
-            )
-        if not settings.model_repositories:
-            raise StartupError("at least one --model-repository is required")
+        _check_control(settings)
         self.settings = settings
         self.link = link
         if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
@@ -73,10 +68,7 @@ class Server:
         self.custom_metrics = CustomMetricStore(reserved=SERVER_FAMILY_NAMES | GPU_FAMILY_NAMES)
         registry = BackendRegistry(settings.backend_config, self.custom_metrics)
         metrics_config = _metrics_config(settings)
-        try:  # Triton's response cache (--cache-config), one for the whole server: None when not configured
-            self.response_cache = build_response_cache(settings.cache_config)
-        except CacheConfigError as exc:
-            raise StartupError(str(exc)) from None
+        self.response_cache = _response_cache(settings)
         self.manager = ModelManager(
             self.store,
             registry,
@@ -90,15 +82,8 @@ class Server:
         )
         polling = settings.model_control_mode == "poll"
         self.poller = RepositoryPoller(self.store, self.manager, settings.repository_poll_secs) if polling else None
-        try:  # restricted APIs, bearer tokens, the audit log (service/security.py)
-            security = build_security(settings)
-        except SecurityConfigError as exc:
-            raise StartupError(str(exc)) from None
-        try:  # Triton's --trace-config (service/tracing/)
-            worker = link.index if link is not None else None  # a worker of several writes a trace file of its own
-            tracing = Tracing(parse_trace_config(settings.trace_config), worker)
-        except (TraceConfigError, OtelUnavailable) as exc:
-            raise StartupError(str(exc)) from None
+        security = _security(settings)
+        tracing = _tracing(settings, link)
         # One shared memory registry and one set of log / trace settings behind every protocol.
         self.service = InferenceService(
             self.manager,
@@ -115,13 +100,7 @@ class Server:
             tracing=tracing,
         )
         registry.attach_host(self.service.host)
-        try:  # the TLS files are read and checked now: one missing or unusable stops the start (frontends/tls.py)
-            http_tls = tls_files("--http", settings.http_use_ssl, settings.http_use_ssl_mutual,
-                                 settings.http_server_cert, settings.http_server_key, settings.http_root_cert)
-            grpc_tls = tls_files("--grpc", settings.grpc_use_ssl, settings.grpc_use_ssl_mutual,
-                                 settings.grpc_server_cert, settings.grpc_server_key, settings.grpc_root_cert)
-        except TlsError as exc:
-            raise StartupError(str(exc)) from None
+        http_tls, grpc_tls = _tls(settings)
         # In start order: metrics first (so /metrics answers once the server is live), then gRPC (as Triton,
         # so gRPC answers once HTTP says live), then HTTP.
         self.frontends: list[Frontend] = []
@@ -138,47 +117,57 @@ class Server:
         handed = handed_kinds(settings) if link is not None and link.handoff is not None else frozenset()
         self._adopters: dict[bytes, Adopter] = {}
         if settings.allow_grpc:
-            # The native HTTP/2 server serves cleartext; TLS (dynamic credentials, client certificates): grpc.aio.
-            options = GrpcOptions(
-                settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
-                keepalive_time_ms=settings.grpc_keepalive_time_ms,
-                keepalive_timeout_ms=settings.grpc_keepalive_timeout_ms,
-                keepalive_permit_without_calls=settings.grpc_keepalive_permit_without_calls,
-                http2_max_pings_without_data=settings.grpc_http2_max_pings_without_data,
-                http2_min_recv_ping_interval_without_data_ms=settings.grpc_http2_min_recv_ping_interval_without_data_ms,
-                http2_max_ping_strikes=settings.grpc_http2_max_ping_strikes,
-                max_concurrent_streams=settings.grpc_max_concurrent_streams,
-                tls=grpc_tls,
-                reuse_port=link is not None,
-            )
-            if settings.grpc_server == "native" and grpc_tls is None:
-                native = NativeGrpcServer(self.service, options, adopting=GRPC in handed)
-                self.frontends.append(native)
-                if GRPC in handed:
-                    self._adopters[GRPC] = native.adopt
-            else:
-                self.frontends.append(GrpcServer(self.service, options))
+            self._add_grpc(grpc_tls, GRPC in handed)
         if settings.allow_http:
-            app = HttpFrontend(self.service, settings.http_max_input_size)
-            http = HttpService(
-                app, settings.http_address, settings.http_port, log_verbose=settings.log_verbose,
-                kind=settings.http_server, max_body_size=settings.http_max_input_size,
-                limits=HttpLimits(
-                    header_timeout=settings.http_header_timeout_secs,
-                    idle_timeout=settings.http_idle_timeout_secs,
-                    body_timeout=settings.http_body_timeout_secs,
-                    max_header_size=settings.http_max_header_size,
-                    max_header_count=settings.http_max_header_count,
-                    max_connections=settings.http_max_connections,
-                ),
-                tls=http_tls,
-                reuse_port=link is not None,
-                adopting=HTTP in handed,
-            )
-            self.frontends.append(http)
-            if HTTP in handed:
-                self._adopters[HTTP] = http.adopt
+            self._add_http(http_tls, HTTP in handed)
         self._started: list[Frontend] = []
+
+    def _add_grpc(self, tls: TlsFiles | None, adopting: bool) -> None:
+        """The gRPC frontend; `adopting`: it serves the connections the supervisor hands over, binding nothing."""
+        settings = self.settings
+        # The native HTTP/2 server serves cleartext; TLS (dynamic credentials, client certificates): grpc.aio.
+        options = GrpcOptions(
+            settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
+            keepalive_time_ms=settings.grpc_keepalive_time_ms,
+            keepalive_timeout_ms=settings.grpc_keepalive_timeout_ms,
+            keepalive_permit_without_calls=settings.grpc_keepalive_permit_without_calls,
+            http2_max_pings_without_data=settings.grpc_http2_max_pings_without_data,
+            http2_min_recv_ping_interval_without_data_ms=settings.grpc_http2_min_recv_ping_interval_without_data_ms,
+            http2_max_ping_strikes=settings.grpc_http2_max_ping_strikes,
+            max_concurrent_streams=settings.grpc_max_concurrent_streams,
+            tls=tls,
+            reuse_port=self.link is not None,
+        )
+        if settings.grpc_server == "native" and tls is None:
+            native = NativeGrpcServer(self.service, options, adopting=adopting)
+            self.frontends.append(native)
+            if adopting:
+                self._adopters[GRPC] = native.adopt
+        else:
+            self.frontends.append(GrpcServer(self.service, options))
+
+    def _add_http(self, tls: TlsFiles | None, adopting: bool) -> None:
+        """The HTTP frontend; `adopting`: it serves the connections the supervisor hands over, binding nothing."""
+        settings = self.settings
+        app = HttpFrontend(self.service, settings.http_max_input_size)
+        http = HttpService(
+            app, settings.http_address, settings.http_port, log_verbose=settings.log_verbose,
+            kind=settings.http_server, max_body_size=settings.http_max_input_size,
+            limits=HttpLimits(
+                header_timeout=settings.http_header_timeout_secs,
+                idle_timeout=settings.http_idle_timeout_secs,
+                body_timeout=settings.http_body_timeout_secs,
+                max_header_size=settings.http_max_header_size,
+                max_header_count=settings.http_max_header_count,
+                max_connections=settings.http_max_connections,
+            ),
+            tls=tls,
+            reuse_port=self.link is not None,
+            adopting=adopting,
+        )
+        self.frontends.append(http)
+        if adopting:
+            self._adopters[HTTP] = http.adopt
 
     async def load_initial_models(self) -> None:
         if self.poller is not None:
@@ -311,6 +300,56 @@ def _exit_now() -> None:
 def _left(deadline: float, minimum: float = 0.0) -> float:
     """Seconds until `deadline` (on time.monotonic's clock), at least `minimum`."""
     return max(deadline - time.monotonic(), minimum)
+
+
+def _check_control(settings: ServerSettings) -> None:
+    """What the server cannot start without: a known model control mode and a repository."""
+    if settings.model_control_mode not in ("none", "explicit", "poll"):
+        raise StartupError(
+            f"unsupported --model-control-mode '{settings.model_control_mode}'; expected none, explicit or poll"
+        )
+    if not settings.model_repositories:
+        raise StartupError("at least one --model-repository is required")
+
+
+# Each part the settings configure, built now so a bad setting stops the start with its own message.
+
+
+def _response_cache(settings: ServerSettings) -> ResponseCache | None:
+    """Triton's response cache (--cache-config), one for the whole server: None when not configured."""
+    try:
+        return build_response_cache(settings.cache_config)
+    except CacheConfigError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _security(settings: ServerSettings) -> Security:
+    """Restricted APIs, bearer tokens, the audit log (service/security.py)."""
+    try:
+        return build_security(settings)
+    except SecurityConfigError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _tracing(settings: ServerSettings, link: WorkerLink | None) -> Tracing:
+    """Triton's --trace-config (service/tracing/)."""
+    try:
+        shared = link.shared_file("trace.ledger") if link is not None else None  # the workers trace as one server
+        return Tracing(parse_trace_config(settings.trace_config), shared)
+    except (TraceConfigError, OtelUnavailable) as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _tls(settings: ServerSettings) -> tuple[TlsFiles | None, TlsFiles | None]:
+    """HTTP's and gRPC's TLS files, read and checked now: one missing or unusable stops the start (frontends/tls.py)."""
+    try:
+        http_tls = tls_files("--http", settings.http_use_ssl, settings.http_use_ssl_mutual,
+                             settings.http_server_cert, settings.http_server_key, settings.http_root_cert)
+        grpc_tls = tls_files("--grpc", settings.grpc_use_ssl, settings.grpc_use_ssl_mutual,
+                             settings.grpc_server_cert, settings.grpc_server_key, settings.grpc_root_cert)
+    except TlsError as exc:
+        raise StartupError(str(exc)) from None
+    return http_tls, grpc_tls
 
 
 def _metrics_config(settings: ServerSettings) -> MetricsConfig:

@@ -1,10 +1,13 @@
 """Tracing in `mode=triton` (service/tracing/): the --trace-config syntax, the settings and their sampling, the trace
 file a real server writes (timestamps in order, TENSORS, an ensemble's steps as child traces) and the trace setting
-endpoints answered as the real Triton answers them (side by side, when the reference is installed)."""
+endpoints answered as the real Triton answers them (side by side, when the reference is installed); with --workers,
+one trace file and one count for the whole server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +23,10 @@ from tritonclient.grpc import service_pb2 as pb
 
 from geserve.errors import InvalidArgumentError, UnsupportedError
 from geserve.service.tracing.config import TraceConfigError, parse_trace_config
+from geserve.service.tracing.ledger import Ledger
 from geserve.service.tracing.settings import TraceSettings
+from geserve.service.tracing.trace import Trace
+from geserve.service.tracing.trace_file import TraceFile
 from tests.support import ensembles
 from tests.support.reference import BootingTriton, build_python_backend_repository, reference_available
 from tests.support.server import RunningServer, start_geserve, stop_geserve
@@ -303,3 +309,97 @@ def test_file_written_when_the_count_runs_out(repo: Path, tmp_path: Path) -> Non
         assert http.get_trace_settings()["trace_count"] == "0"
     finally:
         stop_geserve(server)
+
+
+# ---- --workers: one server, one trace file ------------------------------------------------------------------
+
+
+def test_ledgers_on_one_file_number_count_and_start_as_one(tmp_path: Path) -> None:
+    """What two workers share (service/tracing/ledger.py), here two ledgers on one file: ids, `<index>` numbers, the
+    count (a restarted worker's second creation of a count keeps its value), and one start of the trace file."""
+    first, second = Ledger(str(tmp_path / "ledger")), Ledger(str(tmp_path / "ledger"))
+    assert [first.next_id(), second.next_id(), first.next_id()] == [1, 2, 3]
+    assert [second.next_index(), first.next_index()] == [0, 1]
+    count, again = first.remaining(2), second.remaining(5)  # the same (first) count cell of each
+    assert [count.take(), again.take(), count.take()] == [True, True, False] and again.left == 0
+    unlimited = first.remaining(-1)
+    assert all(unlimited.take() for _ in range(3)) and second.remaining(7).left == -1
+    assert [first.start_file(), second.start_file(), first.start_file()] == [True, False, False]
+
+
+def test_trace_files_of_two_workers_append_to_one_array(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    path.write_text("left by an earlier run")
+    ledgers = [Ledger(str(tmp_path / "ledger")) for _ in range(2)]
+    files = [TraceFile(str(path), ledger) for ledger in ledgers]
+    for index in range(6):
+        ledger, writer = ledgers[index % 2], files[index % 2]
+        trace = Trace(lambda _: None, 1, None, ids=ledger.next_id)
+        trace.request_id = f"r{index}"
+        trace.mark("REQUEST_START")
+        writer.add(trace, 0)
+        headers = [e for e in json.loads(path.read_text()) if "request_id" in e]  # a whole array after every write
+        assert [h["id"] for h in headers] == list(range(1, index + 2))
+    for writer in files:
+        writer.close()
+
+
+def test_workers_write_one_trace_file_with_every_request(repo: Path, tmp_path: Path) -> None:
+    """--workers 2: the file named holds every request's trace, whichever worker served it, numbered as one
+    server's; trace_count, changed at run time, counts the server's traces."""
+    path = tmp_path / "trace.json"
+    server = start_geserve([repo], tmp_path / "geserve.log",
+                           ["--workers", "2", *_trace_args(path, "--trace-config", "level=TIMESTAMPS")])
+    try:
+        workers = server.children()
+        assert len(workers) == 2
+        sent = _infer_on_new_connections(server, [f"r{i}" for i in range(16)])
+        headers = _wait_for_headers(path, len(sent))
+        assert sorted(h["request_id"] for h in headers) == sorted(sent)
+        assert all(str(path) in _open_files(pid) for pid in workers)  # both workers wrote to it
+        _three_more_traces_for_the_server(server, path, len(sent))
+    finally:
+        assert stop_geserve(server) == 0
+    assert len(_wait_for_headers(path, len(sent) + 3)) == len(sent) + 3
+    assert [p.name for p in tmp_path.glob("trace.json*")] == ["trace.json"]  # no `<file>.w<index>`
+
+
+def _three_more_traces_for_the_server(server: RunningServer, path: Path, before: int) -> None:
+    """trace_count 3, set at run time: three traces in all, whichever workers take them, then none on any."""
+    changed = httpclient.InferenceServerClient(server.url).update_trace_settings(settings={"trace_count": "3"})
+    assert changed["trace_count"] == "3"
+    _infer_on_new_connections(server, [f"c{i}" for i in range(8)])
+    headers = _wait_for_headers(path, before + 3)
+    assert sorted(h["id"] for h in headers) == list(range(1, before + 4))  # numbered as one server's
+    left = {httpclient.InferenceServerClient(server.url).get_trace_settings()["trace_count"] for _ in range(4)}
+    assert left == {"0"}
+
+
+def _infer_on_new_connections(server: RunningServer, request_ids: list[str]) -> list[str]:
+    """Each request on a new connection (the supervisor hands each to the worker holding fewest)."""
+    for request_id in request_ids:
+        client = httpclient.InferenceServerClient(server.url)
+        client.infer("simple", _inputs(httpclient), request_id=request_id)
+        client.close()
+    return request_ids
+
+
+def _wait_for_headers(path: Path, count: int) -> list[dict[str, Any]]:
+    """The trace headers in the file once it holds `count` (a trace is written after its response is sent)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            headers = [t["header"] for t in _traces(path).values()] if path.exists() else []
+        except ValueError:  # read while a worker's write was half copied: the next read sees it whole
+            headers = []
+        if len(headers) >= count or time.monotonic() > deadline:
+            return headers
+        time.sleep(0.05)
+
+
+def _open_files(pid: int) -> set[str]:
+    files = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            files.add(os.readlink(fd))
+    return files

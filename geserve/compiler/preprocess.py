@@ -60,6 +60,35 @@ def _channels(config: dict[str, Any], key: str, channels: int, default: float) -
 
 
 def insert_preprocessing(model: onnx.ModelProto, config: dict[str, Any]) -> onnx.ModelProto:
+    name, value = _image_input(model, config)
+    channels, height, width = dims_of(value)[1:]
+    source_format = _FORMATS.get(config.get("input_format", "RGB888_U8"))
+    if source_format is None:
+        raise CompilerError(f"--insert-op-conf: input_format must be one of {sorted(_FORMATS)}")
+    crop = config.get("crop")
+    pad = {"top": 0, "bottom": 0, "left": 0, "right": 0, "value": 0, **config.get("padding", {})}
+    src = config.get("src_image_size")
+    if src is None:
+        src = _default_source_size(crop, pad, height, width)
+
+    chain = _Chain(name)
+    if crop:
+        _crop(chain, crop)
+    if source_format != config.get("model_format", "RGB") and channels >= 3:
+        order = [2, 1, 0, *range(3, channels)]
+        chain.step("Gather", [chain.const("swap", np.array(order, np.int64))], "swap", axis=3)
+    if any(pad[k] for k in ("top", "bottom", "left", "right")):
+        pads = np.array([0, pad["top"], pad["left"], 0, 0, pad["bottom"], pad["right"], 0], np.int64)
+        chain.step("Pad", [chain.const("pads", pads), chain.const("pad_value", np.array(pad["value"], np.float32))],
+                   "pad")
+    _normalize(chain, config, channels)
+    chain.step("Transpose", [], "nchw", perm=[0, 3, 1, 2])
+    _replace_input(model, value, chain, src, channels)
+    return model
+
+
+def _image_input(model: onnx.ModelProto, config: dict[str, Any]) -> tuple[str, onnx.ValueInfoProto]:
+    """The graph input that takes the preprocessing (named, or the only one): FP32 NCHW with 1, 3 or 4 channels."""
     inputs = {value.name: value for value in graph_inputs(model)}
     name = config.get("input") or (next(iter(inputs)) if len(inputs) == 1 else None)
     if name not in inputs:
@@ -70,57 +99,64 @@ def insert_preprocessing(model: onnx.ModelProto, config: dict[str, Any]) -> onnx
     dims = dims_of(value)
     if len(dims) != 4 or dims[1] not in (1, 3, 4):
         raise CompilerError(f"--insert-op-conf: input '{name}' must be NCHW with 1, 3 or 4 channels, got {dims}")
-    channels, height, width = dims[1:]
-    source_format = _FORMATS.get(config.get("input_format", "RGB888_U8"))
-    if source_format is None:
-        raise CompilerError(f"--insert-op-conf: input_format must be one of {sorted(_FORMATS)}")
-    crop = config.get("crop")
-    pad = {"top": 0, "bottom": 0, "left": 0, "right": 0, "value": 0, **config.get("padding", {})}
-    src = config.get("src_image_size")
-    if src is None:
-        src = [-1, -1] if crop else [height - pad["top"] - pad["bottom"] if height > 0 else -1,
-                                     width - pad["left"] - pad["right"] if width > 0 else -1]
+    return name, value
 
-    nodes: list[onnx.NodeProto] = []
-    inits: list[onnx.TensorProto] = []
-    current = f"{name}__aipp_cast"
-    nodes.append(helper.make_node("Cast", [name], [current], to=TensorProto.FLOAT, name="aipp_cast"))
 
-    def const(label: str, array: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(array, f"aipp_{label}"))
+def _default_source_size(crop: Any, pad: dict[str, Any], height: int, width: int) -> list[int]:
+    """The image size clients send when the config names none: dynamic when cropping, else the model's size less
+    the padding (dynamic where the model's is)."""
+    if crop:
+        return [-1, -1]
+    return [height - pad["top"] - pad["bottom"] if height > 0 else -1,
+            width - pad["left"] - pad["right"] if width > 0 else -1]
+
+
+class _Chain:
+    """The inserted ops, one after another from the new uint8 input: their nodes, their constants, the last output."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.current = f"{name}__aipp_cast"
+        self.nodes.append(helper.make_node("Cast", [name], [self.current], to=TensorProto.FLOAT, name="aipp_cast"))
+
+    def const(self, label: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(array, f"aipp_{label}"))
         return f"aipp_{label}"
 
-    def step(op: str, extra_inputs: list[str], label: str, **attrs: Any) -> None:
-        nonlocal current
-        output = f"{name}__aipp_{label}"
-        nodes.append(helper.make_node(op, [current, *extra_inputs], [output], name=f"aipp_{label}", **attrs))
-        current = output
+    def step(self, op: str, extra_inputs: list[str], label: str, **attrs: Any) -> None:
+        output = f"{self.name}__aipp_{label}"
+        self.nodes.append(helper.make_node(op, [self.current, *extra_inputs], [output], name=f"aipp_{label}", **attrs))
+        self.current = output
 
-    if crop:
-        top, left = int(crop.get("top", 0)), int(crop.get("left", 0))
-        starts = const("crop_starts", np.array([top, left], np.int64))
-        ends = const("crop_ends", np.array([top + int(crop["height"]), left + int(crop["width"])], np.int64))
-        step("Slice", [starts, ends, const("crop_axes", np.array([1, 2], np.int64))], "crop")
-    if source_format != config.get("model_format", "RGB") and channels >= 3:
-        order = [2, 1, 0, *range(3, channels)]
-        step("Gather", [const("swap", np.array(order, np.int64))], "swap", axis=3)
-    if any(pad[k] for k in ("top", "bottom", "left", "right")):
-        pads = np.array([0, pad["top"], pad["left"], 0, 0, pad["bottom"], pad["right"], 0], np.int64)
-        step("Pad", [const("pads", pads), const("pad_value", np.array(pad["value"], np.float32))], "pad")
+
+def _crop(chain: _Chain, crop: dict[str, Any]) -> None:
+    top, left = int(crop.get("top", 0)), int(crop.get("left", 0))
+    starts = chain.const("crop_starts", np.array([top, left], np.int64))
+    ends = chain.const("crop_ends", np.array([top + int(crop["height"]), left + int(crop["width"])], np.int64))
+    chain.step("Slice", [starts, ends, chain.const("crop_axes", np.array([1, 2], np.int64))], "crop")
+
+
+def _normalize(chain: _Chain, config: dict[str, Any], channels: int) -> None:
+    """(pixel - mean - min) * var_reci, each op only where it changes something."""
     offset = _channels(config, "mean", channels, 0.0) + _channels(config, "min", channels, 0.0)
     if "std" in config:
         scale = 1.0 / _channels(config, "std", channels, 1.0)
     else:
         scale = _channels(config, "var_reci", channels, 1.0)
     if offset.any():
-        step("Sub", [const("offset", offset)], "sub")
+        chain.step("Sub", [chain.const("offset", offset)], "sub")
     if (scale != 1.0).any():
-        step("Mul", [const("scale", scale)], "mul")
-    step("Transpose", [], "nchw", perm=[0, 3, 1, 2])
+        chain.step("Mul", [chain.const("scale", scale)], "mul")
 
-    graph = model.graph
+
+def _replace_input(model: onnx.ModelProto, value: onnx.ValueInfoProto, chain: _Chain, src: list[int],
+                   channels: int) -> None:
+    """The graph reads the chain's output where it read the input, and takes a uint8 NHWC image in its place."""
+    name, graph = chain.name, model.graph
     for node in graph.node:
-        node.input[:] = [current if i == name else i for i in node.input]
+        node.input[:] = [chain.current if i == name else i for i in node.input]
     for output in graph.output:
         if output.name == name:
             raise CompilerError(f"--insert-op-conf: input '{name}' is also a graph output")
@@ -133,6 +169,5 @@ def insert_preprocessing(model: onnx.ModelProto, config: dict[str, Any]) -> onnx
     graph.input.insert(position, new_input)
     old_nodes = list(graph.node)
     del graph.node[:]
-    graph.node.extend(nodes + old_nodes)
-    graph.initializer.extend(inits)
-    return model
+    graph.node.extend(chain.nodes + old_nodes)
+    graph.initializer.extend(chain.inits)

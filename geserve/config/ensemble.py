@@ -6,7 +6,7 @@ needs the loaded step models' configs (run once they are loaded). Messages follo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2
@@ -30,27 +30,39 @@ def _error(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(message)
 
 
+# What an ensemble's config must not hold (or must), in the order Triton checks it: (is wrong, message).
+_ENSEMBLE_FIELDS: tuple[tuple[Callable[[ModelConfig], bool], str], ...] = (
+    (lambda c: not c.HasField("ensemble_scheduling"),
+     "ensemble scheduling must be set for ensemble {name} whose platform is ensemble"),
+    (lambda c: bool(c.instance_group), "instance group should not be specified for ensemble '{name}'"),
+    (lambda c: c.HasField("optimization"), "optimization should not be specified for ensemble '{name}'"),
+    (lambda c: bool(c.model_warmup), "model_warmup can not be specified for ensemble '{name}'"),
+    (lambda c: not c.ensemble_scheduling.step, "must specify 'step' for ensemble '{name}'"),
+)
+_STEP_FIELDS = ("model_name", "input_map", "output_map")
+
+
 def validate_ensemble_graph(config: ModelConfig) -> None:
     """What can be checked without the step models: fields, single producers, data flow, cycles, unused tensors."""
-    name = config.name
     if config.HasField("ensemble_scheduling") and not is_ensemble(config):
-        raise _error(f"ensemble scheduling cannot be set for model '{name}' whose platform is not ensemble")
+        raise _error(f"ensemble scheduling cannot be set for model '{config.name}' whose platform is not ensemble")
     if not is_ensemble(config):
         return
-    if not config.HasField("ensemble_scheduling"):
-        raise _error(f"ensemble scheduling must be set for ensemble {name} whose platform is ensemble")
-    if config.instance_group:
-        raise _error(f"instance group should not be specified for ensemble '{name}'")
-    if config.HasField("optimization"):
-        raise _error(f"optimization should not be specified for ensemble '{name}'")
-    if config.model_warmup:
-        raise _error(f"model_warmup can not be specified for ensemble '{name}'")
-    steps = config.ensemble_scheduling.step
-    if not steps:
-        raise _error(f"must specify 'step' for ensemble '{name}'")
+    for wrong, message in _ENSEMBLE_FIELDS:
+        if wrong(config):
+            raise _error(message.format(name=config.name))
+    producer = _producers(config)
+    _check_reads(config, producer)
+    _reject_cycles(config, producer)
+    _reject_unused(config, producer)
+
+
+def _producers(config: ModelConfig) -> dict[str, int]:
+    """The step that writes each ensemble tensor, checking each step's fields and that no tensor is written twice."""
+    name = config.name
     producer: dict[str, int] = {}
-    for index, step in enumerate(steps):
-        for field in ("model_name", "input_map", "output_map"):
+    for index, step in enumerate(config.ensemble_scheduling.step):
+        for field in _STEP_FIELDS:
             if not getattr(step, field):
                 raise _error(f"must specify '{field}' in step {index} of ensemble '{name}'")
         for _, tensor in sorted(step.output_map.items()):  # protobuf maps have no order: messages need one
@@ -60,6 +72,12 @@ def validate_ensemble_graph(config: ModelConfig) -> None:
                     f"step {index}"
                 )
             producer[tensor] = index
+    return producer
+
+
+def _check_reads(config: ModelConfig, producer: dict[str, int]) -> None:
+    """Every tensor a step reads comes from outside (an ensemble input) or from a step, never from both."""
+    name, steps = config.name, config.ensemble_scheduling.step
     inputs = {t.name for t in config.input}
     for tensor in inputs & producer.keys():
         raise _error(
@@ -73,11 +91,20 @@ def validate_ensemble_graph(config: ModelConfig) -> None:
                     f"in ensemble '{name}', step {index} (model '{step.model_name}') reads ensemble tensor "
                     f"'{tensor}', which is neither an ensemble input nor an output of any step"
                 )
-    _reject_cycles(config, producer)
-    read = {tensor for step in steps for tensor in step.input_map.values()}
+
+
+def _reject_unused(config: ModelConfig, producer: dict[str, int]) -> None:
+    """Every ensemble input is read, every ensemble output written, every step output read or returned."""
+    read = {tensor for step in config.ensemble_scheduling.step for tensor in step.input_map.values()}
     for tensor in config.input:
         if tensor.name not in read:
-            raise _error(f"ensemble input '{tensor.name}' for ensemble '{name}' is not used")
+            raise _error(f"ensemble input '{tensor.name}' for ensemble '{config.name}' is not used")
+    _reject_unwritten(config, producer, read)
+
+
+def _reject_unwritten(config: ModelConfig, producer: dict[str, int], read: set[str]) -> None:
+    """Every ensemble output is written, and every tensor a step writes is read by a step or returned."""
+    name = config.name
     outputs = {t.name for t in config.output}
     for tensor in config.output:
         if tensor.name not in producer:

@@ -70,36 +70,47 @@ def build_options(
     """Defaults, then the YAML file's mapping (`config`), then the flags given (not None): the later wins."""
     options = RayServeOptions(address=address, app_name=app_name)
     deployment = options.deployment
-    for key, value in (config or {}).items():
+    _apply_file(deployment, config or {})
+    scaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
+               "target_ongoing_requests": target_ongoing_requests}
+    _apply_replicas(deployment, num_replicas, {k: v for k, v in scaling.items() if v is not None})
+    actor = deployment.setdefault("ray_actor_options", {})
+    _set_given(actor, {"num_cpus": num_cpus, "num_gpus": num_gpus})
+    _set_given(deployment, {"max_ongoing_requests": max_ongoing_requests})
+    count = deployment.get("num_replicas", 1)
+    if not isinstance(count, int) or count < 1:
+        raise RayOptionsError(f"num_replicas must be a positive integer, got {count!r}")
+    return options
+
+
+def _apply_file(deployment: dict[str, Any], config: dict[str, Any]) -> None:
+    """The YAML file's options over the defaults, each key checked (nested mappings copied: the file's stay as read)."""
+    for key, value in config.items():
         if key not in DEPLOYMENT_KEYS:
             raise RayOptionsError(f"unknown deployment option '{key}' (expected one of {sorted(DEPLOYMENT_KEYS)})")
         deployment[key] = dict(value) if isinstance(value, dict) else value
     _check_keys(deployment.get("autoscaling_config") or {}, AUTOSCALING_KEYS, "autoscaling_config")
     _check_keys(deployment.get("ray_actor_options") or {}, ACTOR_KEYS, "ray_actor_options")
-    scaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
-               "target_ongoing_requests": target_ongoing_requests}
-    if num_replicas is not None and any(v is not None for v in scaling.values()):
+
+
+def _apply_replicas(deployment: dict[str, Any], num_replicas: int | None, scaling: dict[str, Any]) -> None:
+    """A fixed count (`num_replicas`) or autoscaling (`scaling`, the autoscaling flags given), never both."""
+    if num_replicas is not None and scaling:
         raise RayOptionsError("--num-replicas and --min/max-replicas / --target-ongoing-requests exclude each other")
-    if any(v is not None for v in scaling.values()):
-        auto = dict(deployment.get("autoscaling_config") or {})
-        auto.update({k: v for k, v in scaling.items() if v is not None})
-        deployment["autoscaling_config"] = auto
+    if scaling:
+        deployment["autoscaling_config"] = {**(deployment.get("autoscaling_config") or {}), **scaling}
     if num_replicas is not None:
         deployment["num_replicas"] = num_replicas
         deployment.pop("autoscaling_config", None)  # a count on the command line wins over the file's autoscaling
     elif deployment.get("autoscaling_config"):
         deployment.pop("num_replicas", None)  # Ray refuses both: autoscaling decides the count
-    actor = deployment.setdefault("ray_actor_options", {})
-    if num_cpus is not None:
-        actor["num_cpus"] = num_cpus
-    if num_gpus is not None:
-        actor["num_gpus"] = num_gpus
-    if max_ongoing_requests is not None:
-        deployment["max_ongoing_requests"] = max_ongoing_requests
-    count = deployment.get("num_replicas", 1)
-    if not isinstance(count, int) or count < 1:
-        raise RayOptionsError(f"num_replicas must be a positive integer, got {count!r}")
-    return options
+
+
+def _set_given(target: dict[str, Any], flags: dict[str, Any]) -> None:
+    """The flags given (not None) into `target`, in order."""
+    for key, value in flags.items():
+        if value is not None:
+            target[key] = value
 
 
 def _check_keys(mapping: dict[str, Any], allowed: frozenset[str], where: str) -> None:

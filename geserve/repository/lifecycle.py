@@ -218,36 +218,39 @@ class ModelManager:
         tried: set[str] = set()
         while True:
             await self._discover(ensemble)
-            # From here to the loads' flights being marked nothing awaits, so the plan is current when acted on.
+            # From here to the loads' flights being marked nothing awaits, so the plan is current when acted on
+            # (the helpers below are plain calls, and `_load_level` marks them before its first await).
             plan = self._graph.load_plan(ensemble)
-            cycle = plan.cycle_error(ensemble)
-            if cycle is not None:
-                raise cycle
-            level = next((lv for lv in plan.levels if not tried.issuperset(lv)), ())
-            if not level:
+            batch = _next_batch(ensemble, plan, tried)
+            if not batch:
                 return
-            batch = [m for m in level if m not in tried]
-            tried.update(batch)
             waits = [m for m in batch if m in self._flights]
-            # A missing one is named by the ensemble that needs it; one that serves stays as it is.
-            dirs = {m: self._store.find(m) for m in batch if m not in self._flights and not self._is_up(m)}
-            loads = {m: d for m, d in dirs.items() if d is not None}
-            # Marked here, before anything awaits; each load unmarks its own as it ends, for whoever waits on it.
-            # Their folders are marked read as well, until the loads end.
-            flights = {m: self._mark_in_flight(m) for m in loads}
-            for model_dir in loads.values():
-                self._reading[model_dir] += 1
-            try:
-                came_up = await asyncio.gather(
-                    *(self._load_alone(m, d, plan, flights[m]) for m, d in loads.items()),
-                    *(self._wait_for(m) for m in waits),
-                )
-            finally:
-                for model, done in flights.items():
-                    self._unmark_in_flight(model, done)  # those a cancellation kept from starting
-                for model, model_dir in loads.items():
-                    self._done_reading(model, model_dir)
-            loaded.update(m for m, up in zip(loads, came_up[: len(loads)], strict=True) if up)
+            loaded.update(await self._load_level(plan, self._to_load(batch), waits))
+
+    def _to_load(self, batch: list[str]) -> dict[str, Path]:
+        """The folders of the models of `batch` that need a load of their own, by name."""
+        # A missing one is named by the ensemble that needs it; one that serves stays as it is.
+        dirs = {m: self._store.find(m) for m in batch if m not in self._flights and not self._is_up(m)}
+        return {m: d for m, d in dirs.items() if d is not None}
+
+    async def _load_level(self, plan: LoadPlan, loads: dict[str, Path], waits: list[str]) -> list[str]:
+        """Load `loads` and wait for the loads of `waits` under way, together; those of `loads` that came up."""
+        # Marked here, before anything awaits; each load unmarks its own as it ends, for whoever waits on it.
+        # Their folders are marked read as well, until the loads end.
+        flights = {m: self._mark_in_flight(m) for m in loads}
+        for model_dir in loads.values():
+            self._reading[model_dir] += 1
+        try:
+            came_up = await asyncio.gather(
+                *(self._load_alone(m, d, plan, flights[m]) for m, d in loads.items()),
+                *(self._wait_for(m) for m in waits),
+            )
+        finally:
+            for model, done in flights.items():
+                self._unmark_in_flight(model, done)  # those a cancellation kept from starting
+            for model, model_dir in loads.items():
+                self._done_reading(model, model_dir)
+        return [m for m, up in zip(loads, came_up[: len(loads)], strict=True) if up]
 
     async def _load_alone(self, name: str, model_dir: Path, plan: LoadPlan, flight: asyncio.Event) -> bool:
         """Load `name`, whose composing models are as up as they will get; whether it came up."""
@@ -442,6 +445,18 @@ class ModelManager:
 
 def _load_failed(name: str, failures: list[str]) -> InvalidArgumentError:
     return InvalidArgumentError(f"load failed for model '{name}': {'; '.join(failures)}")
+
+
+def _next_batch(ensemble: str, plan: LoadPlan, tried: set[str]) -> list[str]:
+    """The models of the plan's first level not yet tried, added to `tried`; none when every level was tried. A
+    cycle through `ensemble` is refused first."""
+    cycle = plan.cycle_error(ensemble)
+    if cycle is not None:
+        raise cycle
+    level = next((lv for lv in plan.levels if not tried.issuperset(lv)), ())
+    batch = [m for m in level if m not in tried]
+    tried.update(batch)
+    return batch
 
 
 def group_index(entries: list[dict[str, str]]) -> list[dict[str, Any]]:

@@ -58,6 +58,11 @@ class WorkerLink:
     def ready(self) -> bool:
         return self._ready
 
+    def shared_file(self, name: str) -> str:
+        """A file the workers of this server run share (the trace ledger): in the supervisor's private folder, next
+        to its socket, removed when the supervisor stops."""
+        return os.path.join(os.path.dirname(self.socket_path), name)
+
     async def join(self, service: InferenceService, metrics: Callable[[], bytes]) -> None:
         """Connect, and receive the control calls the server has run so far (the supervisor replays them)."""
         self._service, self._metrics = service, metrics

@@ -236,20 +236,9 @@ class OmInstance(ModelInstance):
         _check(acl.rt.set_context(self._model.context), "acl.rt.set_context")
         sizes = [r.batch_size for r in requests] if self._batching else [0] * len(requests)
         total = sum(sizes)
-        gear = next((g for g in self._gears if g >= total), 0) if self._gears else 0
-        if self._gears and gear == 0:
-            raise InvalidArgumentError(f"batch of {total} is larger than the model's largest gear {self._gears[-1]}")
+        gear = self._gear_for(total)
         for tensor in self._inputs:
-            parts = [next(t.data for t in r.inputs if t.name == tensor.name) for r in requests]
-            array = np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
-            if gear > total:  # pad the batch up to the gear, as the dynamic batcher's gears do
-                array = np.concatenate([array, np.zeros((gear - total, *array.shape[1:]), array.dtype)])
-            pointer, capacity = self._in_buffers[self._index[tensor.name]]
-            if array.nbytes > capacity:
-                raise InvalidArgumentError(f"input '{tensor.name}' holds {array.nbytes} bytes; the model takes "
-                                           f"at most {capacity}")
-            _check(acl.rt.memcpy(pointer, capacity, array.ctypes.data, array.nbytes, _MEMCPY_HOST_TO_DEVICE),
-                   "acl.rt.memcpy")
+            self._feed(tensor, requests, total, gear)
         if gear:
             batch_index = self._model.description.batch_input
             _check(acl.mdl.set_dynamic_batch_size(self._model.model_id, self._in_set, batch_index, gear),
@@ -257,14 +246,44 @@ class OmInstance(ModelInstance):
         fed = time.monotonic_ns()
         _check(acl.mdl.execute(self._model.model_id, self._in_set, self._out_set), "acl.mdl.execute")
         ran = time.monotonic_ns()
+        responses = self._responses(requests, sizes, self._fetch_outputs(gear))
+        return Execution(responses, ComputeTimes(fed - start, ran - fed, time.monotonic_ns() - ran))
+
+    def _gear_for(self, total: int) -> int:
+        """The smallest gear that holds a batch of `total`; 0 for a model without gears."""
+        gear = next((g for g in self._gears if g >= total), 0) if self._gears else 0
+        if self._gears and gear == 0:
+            raise InvalidArgumentError(f"batch of {total} is larger than the model's largest gear {self._gears[-1]}")
+        return gear
+
+    def _feed(self, tensor: _Tensor, requests: list[InferenceRequest], total: int, gear: int) -> None:
+        """Copy the requests' values of input `tensor`, joined and padded up to `gear`, into its device buffer."""
+        parts = [next(t.data for t in r.inputs if t.name == tensor.name) for r in requests]
+        array = np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        if gear > total:  # pad the batch up to the gear, as the dynamic batcher's gears do
+            array = np.concatenate([array, np.zeros((gear - total, *array.shape[1:]), array.dtype)])
+        pointer, capacity = self._in_buffers[self._index[tensor.name]]
+        if array.nbytes > capacity:
+            raise InvalidArgumentError(f"input '{tensor.name}' holds {array.nbytes} bytes; the model takes "
+                                       f"at most {capacity}")
+        _check(self._acl.rt.memcpy(pointer, capacity, array.ctypes.data, array.nbytes, _MEMCPY_HOST_TO_DEVICE),
+               "acl.rt.memcpy")
+
+    def _fetch_outputs(self, gear: int) -> dict[str, np.ndarray]:
+        """Every output, copied back from its device buffer (a batching model's hold the whole gear)."""
         results: dict[str, np.ndarray] = {}
         for tensor, (pointer, capacity) in zip(self._outputs, self._out_buffers, strict=True):
             dtype = BY_WIRE[tensor.wire_type].numpy
             dims = ((gear or tensor.dims[0]), *tensor.dims[1:]) if self._batching else tensor.dims
             host = np.empty(dims, dtype)
-            _check(acl.rt.memcpy(host.ctypes.data, host.nbytes, pointer, min(host.nbytes, capacity),
-                                 _MEMCPY_DEVICE_TO_HOST), "acl.rt.memcpy")
+            _check(self._acl.rt.memcpy(host.ctypes.data, host.nbytes, pointer, min(host.nbytes, capacity),
+                                       _MEMCPY_DEVICE_TO_HOST), "acl.rt.memcpy")
             results[tensor.name] = host
+        return results
+
+    def _responses(self, requests: list[InferenceRequest], sizes: list[int],
+                   results: dict[str, np.ndarray]) -> Results:
+        """Each request's response: the outputs it asked for (all when it named none), its rows of a batch."""
         responses: Results = []
         offset = 0
         for request, size in zip(requests, sizes, strict=True):
@@ -275,7 +294,7 @@ class OmInstance(ModelInstance):
                 outputs.append(OutputTensor(name, _wire(self._outputs, name), value.shape, value))
             responses.append(InferenceResponse(request.model_name, request.model_version, outputs, request.id))
             offset += size
-        return Execution(responses, ComputeTimes(fed - start, ran - fed, time.monotonic_ns() - ran))
+        return responses
 
     def finalize(self) -> None:
         acl = self._acl

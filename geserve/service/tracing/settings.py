@@ -2,13 +2,15 @@
 
 Kept and answered as Triton keeps them: values are lists of strings on the wire; a model's settings are the global
 ones overlaid with its own; each scope (the global one, each model with settings of its own) samples every
-`trace_rate`-th request until `trace_count` traces are taken (-1: no end), and reports the count left.
+`trace_rate`-th request until `trace_count` traces are taken (-1: no end), and reports the count left. The count
+is the server's: its workers (--workers) count down the same one (ledger.py).
 """
 
 from __future__ import annotations
 
 from geserve.errors import InvalidArgumentError, UnsupportedError
 from geserve.service.tracing.config import TraceConfig
+from geserve.service.tracing.ledger import Ledger, Remaining
 
 TIMESTAMPS = 1
 TENSORS = 2
@@ -24,26 +26,16 @@ def level_flags(levels: list[str]) -> int:
     return flags
 
 
-class Remaining:
-    """Traces left to take (-1: no end). A model without a `trace_count` of its own shares the global one, as in
-    Triton: its traces count down the server's."""
-
-    __slots__ = ("left",)
-
-    def __init__(self, left: int) -> None:
-        self.left = left
-
-
 class Scope:
     """One set of effective settings and its sampling state."""
 
     __slots__ = ("level", "log_frequency", "rate", "remaining", "seen", "values")
 
-    def __init__(self, values: dict[str, list[str]], remaining: Remaining | None = None) -> None:
+    def __init__(self, values: dict[str, list[str]], remaining: Remaining) -> None:
         self.values = values
         self.level = level_flags(values["trace_level"])
         self.rate = int(values["trace_rate"][0])
-        self.remaining = remaining if remaining is not None else Remaining(int(values["trace_count"][0]))
+        self.remaining = remaining
         self.log_frequency = int(values["log_frequency"][0])
         self.seen = 0
 
@@ -56,15 +48,14 @@ class Scope:
         return bool(self.level) and self.remaining.left != 0
 
     def sample(self) -> int:
-        """The level to trace the next request at; 0: not traced."""
+        """The level to trace the next request at; 0: not traced. Every `rate`-th request this process sees (the
+        workers of a server sample apart), while the server has traces left to take."""
         remaining = self.remaining
         if not self.level or not remaining.left or not self.rate:
             return 0
         self.seen += 1
-        if self.seen % self.rate:
+        if self.seen % self.rate or not remaining.take():
             return 0
-        if remaining.left > 0:
-            remaining.left -= 1
         return self.level
 
     def report(self) -> dict[str, list[str]]:
@@ -74,14 +65,17 @@ class Scope:
 class TraceSettings:
     """The global scope and the models' own; `update` validates with Triton's messages, then applies."""
 
-    def __init__(self, config: TraceConfig | None = None) -> None:
+    def __init__(self, config: TraceConfig | None = None, ledger: Ledger | None = None) -> None:
+        """`ledger`: where the traces left are counted (shared by the workers of a server; by default this
+        process's)."""
         config = config or TraceConfig()
         self.mode = config.mode
+        self._ledger = ledger or Ledger()
         self._defaults: dict[str, list[str]] = {
             "trace_level": list(config.level), "trace_rate": [str(config.rate)], "trace_count": [str(config.count)],
             "log_frequency": [str(config.log_frequency)], "trace_file": [config.file], "trace_mode": [config.mode],
         }
-        self.global_scope = Scope({k: list(v) for k, v in self._defaults.items()})
+        self.global_scope = Scope({k: list(v) for k, v in self._defaults.items()}, self._new_count(self._defaults))
         self._overrides: dict[str, dict[str, list[str]]] = {}
         self.model_scopes: dict[str, Scope] = {}
 
@@ -119,19 +113,26 @@ class TraceSettings:
         else:
             left = carried.left if carried is not None else int(effective["trace_count"][0])
         _check(effective, self.mode, left)
+        self._apply(model, staged, carried)
+        return self.get(model)
+
+    def _apply(self, model: str, staged: dict[str, list[str]], carried: Remaining | None) -> None:
         if model:
             self._overrides[model] = staged
             self.model_scopes[model] = self._model_scope(staged, carried)
-        else:
-            self.global_scope = Scope(staged, carried)
-            for name, overrides in self._overrides.items():  # the models' scopes see the new global values
-                self.model_scopes[name] = self._model_scope(overrides, self.model_scopes[name].remaining)
-        return self.get(model)
+            return
+        self.global_scope = Scope(staged, carried if carried is not None else self._new_count(staged))
+        for name, overrides in self._overrides.items():  # the models' scopes see the new global values
+            self.model_scopes[name] = self._model_scope(overrides, self.model_scopes[name].remaining)
 
     def _model_scope(self, overrides: dict[str, list[str]], own: Remaining | None) -> Scope:
         """A model's scope: its own count of traces left when it sets `trace_count`, else the server's."""
-        shared = own if "trace_count" in overrides else self.global_scope.remaining
-        return Scope({**self.global_scope.values, **overrides}, shared)
+        if "trace_count" not in overrides:
+            return Scope({**self.global_scope.values, **overrides}, self.global_scope.remaining)
+        return Scope({**self.global_scope.values, **overrides}, own if own is not None else self._new_count(overrides))
+
+    def _new_count(self, values: dict[str, list[str]]) -> Remaining:
+        return self._ledger.remaining(int(values["trace_count"][0]))
 
 
 def _parse(key: str, values: list[str], grpc: bool) -> list[str] | None:

@@ -19,7 +19,7 @@ from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, Ten
 if TYPE_CHECKING:
     from geserve.repository.model import LoadedModel
 
-_ids = itertools.count(1)  # Triton numbers the traces of a server from 1
+_ids = itertools.count(1).__next__  # a trace's id when no ledger numbers them (service/tracing/ledger.py)
 
 
 class RemoteParent:
@@ -35,16 +35,18 @@ class Trace:
     """The trace of one request (`InferenceRequest.trace`); `emit` receives it once it is complete."""
 
     __slots__ = (
-        "_emit", "compute", "id", "level", "marks", "model_name", "model_version", "parent", "peers", "remote",
+        "_emit", "_ids", "compute", "id", "level", "marks", "model_name", "model_version", "parent", "peers", "remote",
         "request_id", "request_span_id", "scope", "span_id", "tensors", "trace_id",
     )
 
     def __init__(
         self, emit: Callable[[Trace], None], level: int, scope: Scope | None,
-        parent: Trace | None = None, remote: RemoteParent | None = None,
+        parent: Trace | None = None, remote: RemoteParent | None = None, ids: Callable[[], int] = _ids,
     ) -> None:
+        """`ids`: where the trace's id comes from (the server's ledger, which numbers its traces from 1)."""
         self._emit = emit
-        self.id = next(_ids)
+        self._ids = ids
+        self.id = ids()
         self.level = level
         self.scope = scope  # the settings that sampled it (None for an ensemble step: its parent's were)
         self.parent = parent
@@ -68,7 +70,7 @@ class Trace:
         self.span_id = random.getrandbits(64) or 1  # the model's span
 
     def child(self) -> Trace:
-        return Trace(self._emit, self.level, None, parent=self)
+        return Trace(self._emit, self.level, None, parent=self, ids=self._ids)
 
     def begin(
         self, model: LoadedModel, request: InferenceRequest, started_ns: int, marks: list[tuple[str, int]] | None

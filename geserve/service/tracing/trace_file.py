@@ -2,18 +2,31 @@
 
 Each trace is written as Triton writes it: its model header (with `parent_id` for an ensemble step), one object per
 timestamp, one per tensor at TENSORS level. With `log_frequency` N > 0 every N traces go to `<file>.<index>`;
-with 0 all of them go to `<file>` when the server stops (or when `trace_count` runs out), as in Triton.
+with 0 all of them go to `<file>`: one JSON array for the whole server, whichever worker (--workers) took the trace.
+
+`<file>` is written as each trace completes, and is a complete array after every write, so a user can read it while
+the server runs (Triton closes its array only at exit). Each write takes the file's `flock`, reads its size and
+overwrites the closing `]` with `,<objects>]` (`[<objects>]` when empty), one `pwrite`: the workers append to one
+file with no process in between, and nothing grows in memory. Measured: lock, size and write ~5.5 µs per trace,
+beside ~19 µs to build and serialize its objects (paid before too, at exit); with --workers 2 and every request
+traced (`simple`, perf_analyzer HTTP c=8, 3 alternating rounds) the server's CPU per request was 223 µs against
+250 µs for the former per-worker files kept in memory until exit, 97 µs untraced. Rejected: sending traces to the
+supervisor (a pickle and a socket write per trace anyway, then its loop, which hands out the connections, decodes
+and writes them); per-worker files merged at exit (a file only valid once the server stops).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from geserve.service.tracing.ledger import Ledger
 from geserve.service.tracing.trace import Trace
 from geserve.types import Tensor
 
@@ -64,19 +77,19 @@ def _tensor(trace_id: int, activity: str, tensor: Tensor) -> dict[str, Any]:
 
 
 class TraceFile:
-    """Collects complete traces and writes them out."""
+    """Writes complete traces: each to `<file>` as it comes (log_frequency 0), or every N to `<file>.<index>`."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, ledger: Ledger) -> None:
         self._path = path
+        self._ledger = ledger  # the server's: which worker starts `<file>`, the next `<index>`
+        self._fd = -1
         self._pending: list[dict[str, Any]] = []  # entries not yet in a `<file>.<index>`
         self._pending_traces = 0
-        self._all: list[dict[str, Any]] = []  # log_frequency 0: everything, rewritten to `<file>` on each flush
-        self._index = 0
 
     def add(self, trace: Trace, log_frequency: int) -> None:
         entries = trace_entries(trace)
         if log_frequency <= 0:
-            self._all += entries
+            self._append(json.dumps(entries, separators=(",", ":")).encode())
             return
         self._pending += entries
         self._pending_traces += 1
@@ -84,19 +97,41 @@ class TraceFile:
             self._write_indexed()
 
     def flush(self) -> None:
+        """Write the traces waiting for their `<file>.<index>`."""
         if self._pending:
             self._write_indexed()
-        if self._all:
-            self._write(Path(self._path), self._all)
+
+    def close(self) -> None:
+        self.flush()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _append(self, array: bytes) -> None:
+        """Add `array`'s objects to the array in `<file>`, under the file's lock: the first write of the server
+        starts it, later ones (any worker's) overwrite its closing bracket."""
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = self._fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if self._ledger.start_file():
+                    os.ftruncate(fd, 0)  # what an earlier run left
+                end = os.fstat(fd).st_size
+                if end:
+                    os.pwrite(fd, b"," + array[1:], end - 1)
+                else:
+                    os.pwrite(fd, array, 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:  # a trace is never worth a request: say so and go on
+            logger.error("cannot write the trace file %s: %s", self._path, exc)
 
     def _write_indexed(self) -> None:
-        self._write(Path(f"{self._path}.{self._index}"), self._pending)
-        self._index += 1
-        self._pending, self._pending_traces = [], 0
-
-    @staticmethod
-    def _write(path: Path, entries: list[dict[str, Any]]) -> None:
+        path = Path(f"{self._path}.{self._ledger.next_index()}")
         try:
-            path.write_text(json.dumps(entries, separators=(",", ":")))
-        except OSError as exc:  # a trace is never worth a request: say so and go on
+            path.write_text(json.dumps(self._pending, separators=(",", ":")))
+        except OSError as exc:
             logger.error("cannot write the trace file %s: %s", path, exc)
+        self._pending, self._pending_traces = [], 0

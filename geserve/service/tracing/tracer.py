@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from geserve.service.context import CallContext
 from geserve.service.tracing.config import TraceConfig
+from geserve.service.tracing.ledger import Ledger
 from geserve.service.tracing.otel import OtelExporter, parse_traceparent
 from geserve.service.tracing.settings import TIMESTAMPS, TraceSettings
 from geserve.service.tracing.trace import Trace
@@ -26,14 +27,14 @@ Execute = Callable[["LoadedModel", InferenceRequest, int], Awaitable[InferenceRe
 class Tracing:
     """The trace settings and where complete traces go (`mode=triton`: the trace file; `opentelemetry`: OTLP)."""
 
-    def __init__(self, config: TraceConfig | None = None, worker: int | None = None) -> None:
-        """`worker`: this process's index among the server's workers (--workers), whose trace files are apart:
-        `<file>.w<index>` (each numbers its traces from 1)."""
+    def __init__(self, config: TraceConfig | None = None, shared: str | None = None) -> None:
+        """`shared`: in a worker of several (--workers), the file of the ledger the server's workers share
+        (ledger.py): one numbering of traces, one trace file, one count of traces left."""
         config = config or TraceConfig()
-        self.settings = TraceSettings(config)
+        self._ledger = Ledger(shared)
+        self.settings = TraceSettings(config, self._ledger)
         self._otel = OtelExporter(config) if config.mode == "opentelemetry" else None
-        path = config.file if worker is None else f"{config.file}.w{worker}"
-        self._file = TraceFile(path) if config.mode == "triton" and config.file else None
+        self._file = TraceFile(config.file, self._ledger) if config.mode == "triton" and config.file else None
 
     @property
     def on(self) -> bool:
@@ -44,9 +45,10 @@ class Tracing:
         if self._otel is not None:
             remote = parse_traceparent(context.headers.get("traceparent"))
             if remote is not None and scope.level:  # a propagated context is always traced, as in Triton
-                return Trace(self._emit, TIMESTAMPS, scope, remote=remote)  # no TENSORS in OTel mode (Triton)
+                # no TENSORS in OTel mode (Triton)
+                return Trace(self._emit, TIMESTAMPS, scope, remote=remote, ids=self._ledger.next_id)
         level = scope.sample()
-        return Trace(self._emit, level, scope) if level else None
+        return Trace(self._emit, level, scope, ids=self._ledger.next_id) if level else None
 
     async def run(
         self, model: LoadedModel, request: InferenceRequest, context: CallContext, started_ns: int,
@@ -87,11 +89,11 @@ class Tracing:
         scope = root.scope
         self._file.add(trace, scope.log_frequency if scope is not None else 0)
         if trace.parent is None and scope is not None and scope.count == 0:
-            self._file.flush()  # the last trace asked for: Triton writes the file now
+            self._file.flush()  # the last trace asked for: Triton writes what it holds now
 
     def close(self) -> None:
         """Write or export what is left (the server is stopping)."""
         if self._file is not None:
-            self._file.flush()
+            self._file.close()
         if self._otel is not None:
             self._otel.close()
