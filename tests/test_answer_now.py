@@ -22,6 +22,7 @@ from tests.test_dynamic_batcher import RecordingInstance, request
 
 
 def _inline_pool(fake: RecordingInstance) -> InstancePool:
+    fake.inline_allowed = True  # the fake computes and returns, as the GE backend's CPU instances (which opt in)
     pool = InstancePool("m", [fake], ModelStatistics(), inline_below_us=1_000_000)
     pool._typical_ns = 1  # a short model: its batches run on the loop
     return pool
@@ -143,8 +144,26 @@ def test_respond_now_answers_as_respond_does(good_repo: Path) -> None:
     asyncio.run(main())
 
 
+def test_an_instance_that_does_not_opt_in_never_runs_on_the_loop() -> None:
+    """However short its runs look (CPU time cannot see a wait), an instance runs on the loop only if it says so."""
+    fake = RecordingInstance()
+
+    async def main() -> None:
+        pool = InstancePool("m", [fake], ModelStatistics(), inline_below_us=1_000_000)
+        pool._typical_ns = 1
+        scheduler = DirectScheduler(pool)
+        assert not pool.runs_now and not scheduler.ready_now()
+        assert (await scheduler.enqueue(request("queued"))).id == "queued"  # served on the instance's thread
+        assert fake.batches == [["queued"]]
+        await scheduler.stop()
+
+    asyncio.run(main())
+
+
 class _BusyInstance(RecordingInstance):
     """Burns `cpu_s` of CPU per batch (a busy loop: the pool judges runs by the thread's CPU time)."""
+
+    inline_allowed = True
 
     def __init__(self, cpu_s: float) -> None:
         super().__init__()

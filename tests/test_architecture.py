@@ -2,13 +2,20 @@
 import against that order.
 
 Every import counts, wherever it is written (module level, inside a function, under TYPE_CHECKING): a lazy
-import that dodges a cycle at run time is still a dependency of the design.
+import that dodges a cycle at run time is still a dependency of the design. Cycles are forbidden between modules
+and between packages: two packages that import each other, even through modules that do not, are one package in
+two folders (compiler <-> devices was, through the TensorRT engine cache's keys, until those moved to the
+`geserve.cachekeys` leaf).
+
+A request travels one pipeline, whatever its protocol or shortcut (PIPELINE_STAGES, in order): a frontend decodes
+and encodes, the service does everything between, and a fast path is a stage remembered or skipped inside it,
+never a second pipeline beside it.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "geserve.arrivals",
         "geserve.config",
         "geserve.errors",
+        "geserve.cachekeys",
         "geserve.statistics",
         "geserve.settings",
         "geserve.version",
@@ -53,6 +61,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # Frontends reach the models only through the service: below it they may import the leaves only.
 THROUGH_THE_SERVICE = ("geserve.frontends",)
+
+# The stages of every request, in order, and who owns each. A remembered JSON header is a cached result of decode +
+# resolve + prepare (keyed by its bytes and the model's load generation); answering in the read callback is how
+# submit runs a model that may run on the loop; both stay stages of this one pipeline.
+PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
+    ("decode", "geserve.frontends: wire bytes -> an InferenceRequest and its call context"),
+    ("admit", "geserve.service: authorization by API group, restrictions, size and rate limits"),
+    ("resolve model", "geserve.service: name and version -> the loaded model (its load generation)"),
+    ("validate / prepare", "geserve.service: parameters, shapes, byte sizes, shared memory -> arrays"),
+    ("submit", "geserve.scheduling: direct | dynamic batcher | sequence batcher | ensemble"),
+    ("account", "geserve.service: one record of the outcome (success, each failure, cancel, cache hit)"),
+    ("encode", "geserve.frontends: the response or the error -> wire bytes, one error table per protocol"),
+)
 
 
 def module_name(path: Path) -> str:
@@ -145,6 +166,46 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
         if start not in state and (cycle := visit(start)) is not None:
             return cycle
     return None
+
+
+def package_of(module: str, modules: dict[str, Path]) -> str:
+    """The package a module belongs to: its folder, or the module itself where LAYERS places it apart from its
+    folder (metrics.collector sits in the service layer, the rest of metrics among the leaves)."""
+    folder = module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+    placed = max((p for layer in LAYERS for p in layer if module == p or module.startswith(p + ".")), key=len,
+                 default=folder)
+    return placed if len(placed) > len(folder) else folder
+
+
+def package_graph(graph: dict[str, list[str]], package: Callable[[str], str]) -> dict[str, list[str]]:
+    """`graph` between packages. An import between a package and one inside it (a package's registry importing its
+    members, a member importing its package's shared module) stays inside the package, as the module check sees."""
+    edges: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = package(module)
+        for target in map(package, targets):
+            if not (source == target or source.startswith(target + ".") or target.startswith(source + ".")):
+                edges.setdefault(source, set()).add(target)
+    return {source: sorted(targets) for source, targets in edges.items()}
+
+
+def test_no_package_import_cycles() -> None:
+    modules = all_modules()
+    graph = {module: [t for t, _ in imported] for module, imported in import_graph().items()}
+    cycle = find_cycle(package_graph(graph, lambda m: package_of(m, modules)))
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_package_check_sees_a_cycle_no_module_closes() -> None:
+    # The cycle this check was written for: no module imports back a module that imports it, yet the packages do.
+    graph = {
+        "geserve.compiler.command": ["geserve.devices.tensorrt"],
+        "geserve.devices.tensorrt": ["geserve.compiler.cache"],
+        "geserve.compiler.cache": [],
+    }
+    assert find_cycle(graph) is None
+    folder = {m: m.rpartition(".")[0] for m in graph}
+    assert find_cycle(package_graph(graph, folder.__getitem__)) is not None
 
 
 def test_no_import_cycles() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from geserve.backends.base import BackendSettings, ModelSource
 from geserve.backends.ge import GeBackend
+from geserve.backends.ge.dump import DataDumper, make_instance
 from geserve.backends.ge.instance import GeInstance
 from geserve.backends.ge.parameters import parse_ge_options
 from geserve.config import ModelConfig, fill_defaults, parse_config_text, validate
@@ -84,6 +85,23 @@ def test_instances_execute_single_and_batched_requests(tmp_path: Path) -> None:
     first, second = instances[1].execute([request(2, 0), request(1, 100)]).results
     assert first.outputs[0].shape == (2, 16) and second.outputs[0].shape == (1, 16)
     assert second.outputs[1].data.tolist() == (np.arange(16) + 99).reshape(1, 16).tolist()
+
+
+@pytest.mark.parametrize(("device", "dumps", "inline"), [
+    ("cpu", False, True),  # compute on the calling thread: may run on the event loop when short
+    ("cuda:0", False, False),  # waits for the GPU, which the pool's CPU-time measure does not see
+    ("cpu", True, False),  # writes every batch's tensors to disk
+])
+def test_only_a_plain_cpu_instance_opts_in_to_the_event_loop(
+    tmp_path: Path, device: str, dumps: bool, inline: bool
+) -> None:
+    model_dir = models.simple(tmp_path)
+    config = _complete(model_dir, (model_dir / "config.pbtxt").read_text())
+    loaded = GeBackend().create_instances(config, ModelSource(model_dir, 1))[0]
+    assert loaded.inline_allowed
+    dumper = DataDumper("simple", tmp_path / "dump", [], 1) if dumps else None
+    instance = make_instance("simple_0", loaded._session, loaded._layout, device, dumper)
+    assert instance.inline_allowed is inline
 
 
 def _optional_inputs_model(tmp_path: Path) -> tuple[ModelConfig, list[GeInstance]]:

@@ -77,11 +77,15 @@ class Execution:
 
 class ModelInstance(abc.ABC):
     """One execution context of a model version, as the instance pool drives it: one batch at a time, on the
-    instance's own worker thread, or on the event loop when its runs are short and `inline_allowed` says so."""
+    instance's own worker thread, or on the event loop when the instance opts in (`inline_allowed`) and its runs
+    are short (geserve/scheduling/pool.py)."""
 
     name: str
-    # False when `execute` may wait on the event loop (a Python model's BLS calls): it must never run there.
-    inline_allowed: bool = True
+    # True only where `execute` is pure CPU work that returns on its own: the pool judges "short" by the loop
+    # thread's CPU time, which does not see a wait (a device, a disk, a socket, a call back into the loop), so an
+    # instance that may wait would hold every connection of the process while it does. Opting in is a measured
+    # claim; the safe default is the instance's own worker thread.
+    inline_allowed: bool = False
 
     @property
     def checks_readiness(self) -> bool:

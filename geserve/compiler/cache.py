@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from geserve.cachekeys import cache_dir
 from geserve.compiler.options import CompileOptions
 from geserve.compiler.package import write_package
 from geserve.compiler.pipeline import COMPILER_VERSION, compile_model, source_hash
 
 logger = logging.getLogger(__name__)
-CACHE_ENV = "GESERVE_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured) if configured else Path.home() / ".cache" / "geserve"
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geserve.cachekeys import file_hash
 from geserve.compiler.errors import CompilerError
 
 PRECISION_MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp16", "allow_mix_precision")
@@ -105,14 +106,6 @@ def parse_bool(text: str, what: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise CompilerError(f"{what} expects true or false, got '{text}'")
-
-
-def file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _tree_hash(path: Path) -> str:

@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 import onnx
 
+from geserve.cachekeys import file_hash
 from geserve.compiler.custom_ops import custom_domains, library_names, session_options
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.frontends import detect_framework, load_model
 from geserve.compiler.keep import check_keep_fp32
 from geserve.compiler.optimize import TARGET_LEVEL, optimize
-from geserve.compiler.options import CompileOptions, file_hash
+from geserve.compiler.options import CompileOptions
 from geserve.compiler.package import Manifest
 from geserve.compiler.precision import apply_precision
 from geserve.compiler.preprocess import insert_preprocessing, load_config

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from geserve.compiler.cache import cache_dir
-from geserve.compiler.options import file_hash
+from geserve.cachekeys import cache_dir, file_hash
 from geserve.errors import InvalidArgumentError, UnavailableError
 
 PRECISIONS = ("fp32", "fp16", "int8")

@@ -2,8 +2,9 @@
 
 Each instance owns one long-lived thread fed through a `queue.SimpleQueue`, and hands results back with
 one `call_soon_threadsafe`: cheaper per request than `run_in_executor`'s executor and future chaining.
-A model whose executions typically take less than `inline_below_us` of CPU runs on the event loop instead (unless its
-instances say `inline_allowed = False`, as Python models do: they may block on calls back into the loop):
+A model whose executions typically take less than `inline_below_us` of CPU runs on the event loop instead, if its
+instances opt in with `inline_allowed` (the GE backend's CPU instances do; Python models, GPU and NPU instances do not:
+they may wait, on calls back into the loop or on a device, and CPU time does not show a wait):
 measured on 2 cores, handing a 60 µs MLP to a thread cost more than the run itself (GIL hand-offs and
 wake-ups), and inline execution lifted it from ~2.8k to ~4k infer/s at concurrency 16. So does a run of up to 2 ms
 while no request can arrive until it ends (geserve/arrivals.py): the loop would only wait for it.

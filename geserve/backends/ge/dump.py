@@ -79,6 +79,7 @@ class DumpingInstance(GeInstance):
     def __init__(self, name: str, session: ort.InferenceSession, layout: ModelLayout, device: str,
                  dumper: DataDumper) -> None:
         super().__init__(name, session, layout, device)
+        self.inline_allowed = False  # every batch writes its tensors to disk: never wait for a disk on the loop
         self._dumper = dumper
         self._model_run = self._run
         self._run = self._run_and_dump

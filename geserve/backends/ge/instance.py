@@ -39,6 +39,10 @@ class GeInstance(ModelInstance):
     def __init__(self, name: str, session: ort.InferenceSession, layout: ModelLayout, device: str) -> None:
         self.name = name
         self.device = device
+        # On the CPU a run is compute on the calling thread (what the pool's CPU-time measure sees): measured short
+        # for small models, it may run on the loop. On a GPU or an NPU the thread waits for the device (copies, a
+        # queue shared with other instances), which CPU time does not show: those stay on their worker thread.
+        self.inline_allowed = device == "cpu"
         self._session = session
         self._layout = layout
         self._string_inputs = {n for n, t in layout.inputs.items() if t.wire_type == "BYTES"}

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from geserve.compiler.cache import cache_dir, exclusive
+from geserve.cachekeys import cache_dir
+from geserve.compiler.cache import exclusive
 
 logger = logging.getLogger(__name__)
 
