@@ -804,6 +804,19 @@ def test_newer_triton_limits_nesting_and_element_count(servers: Servers) -> None
              f"{2**63 - 1}")
 
 
+def test_repository_index_judges_ready_before_the_nesting_depth(servers: Servers) -> None:
+    """Triton's qa test_repository_index_deeply_nested_json: a body nested past 100 levels whose `ready` is no boolean
+    is refused for `ready` (Triton limits depth where it reads inference data, not here). With a boolean `ready`
+    Triton answers the index; geserve keeps its one depth limit for every JSON body (400)."""
+    deep = b"[" * 150 + b"]" * 150
+    triton, geserve = servers.both("POST", "/v2/repository/index", b'{"ready": ' + deep + b"}")
+    assert (triton.status, triton.error()) == (500, "attempt to access JSON non-boolean as boolean")  # 2.51's words
+    assert (geserve.status, geserve.error()) == (400, "Invalid value for 'ready': expected a boolean")
+    triton, geserve = servers.both("POST", "/v2/repository/index", b'{"ready": true, "x": ' + deep + b"}")
+    assert triton.status == 200
+    assert (geserve.status, geserve.error()) == (400, "JSON nesting depth exceeds maximum allowed limit (100)")
+
+
 def test_repository_index_ready_not_boolean_in_newer_tritons_words(servers: Servers) -> None:
     triton, geserve = servers.both("POST", "/v2/repository/index", b'{"ready": "yes"}')
     assert triton.error() == "attempt to access JSON non-boolean as boolean"  # 2.51's words

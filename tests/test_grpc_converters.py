@@ -165,6 +165,14 @@ def test_a_shape_past_int64_elements_is_refused_at_decoding(registry: SharedMemo
     )
 
 
+def test_a_shape_past_int64_bytes_is_refused_at_decoding_as_http_refuses_it(registry: SharedMemoryRegistry) -> None:
+    message = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\0" * 4])
+    message.inputs.add(name="IN", datatype="INT32", shape=[4, 2**60 + 2])
+    with pytest.raises(InvalidArgumentError) as caught:
+        convert.from_model_infer_request(message, registry)
+    assert caught.value.message == "byte size overflow for input 'IN'"
+
+
 def test_outputs_named_twice_reach_the_service_as_sent(registry: SharedMemoryRegistry) -> None:
     """The refusal is the service's rule (validation.prepare), the same for every protocol: the converter keeps
     both."""

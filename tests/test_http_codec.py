@@ -146,6 +146,29 @@ def test_a_shape_past_int64_elements_is_refused_in_tritons_words(shape: list[int
     )
 
 
+@pytest.mark.parametrize(("datatype", "shape"), [
+    ("INT32", [4, 2**60 + 2]),  # Triton's qa test_buffer_size_overflow: 2**62 + 8 elements, 2**64 + 32 bytes
+    ("FP64", [2**60]),  # 2**60 elements, 2**63 bytes: one past int64
+])
+def test_a_shape_whose_byte_size_passes_int64_is_refused_in_tritons_words(datatype: str, shape: list[int]) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_infer_request(_simple_json(shape=shape, datatype=datatype), None, "m", "")
+    assert caught.value.message == "byte size overflow for input 'a'"
+
+
+def test_the_byte_size_is_judged_after_the_element_count_and_never_for_bytes() -> None:
+    """The count's overflow is found first, as in Triton; a BYTES input has no element size to overflow (its data
+    is sized as it is read), and a byte size just under int64's limit passes the check (to fail on its data)."""
+    with pytest.raises(InvalidArgumentError, match="causes total element count"):
+        decode_infer_request(_simple_json(shape=[16, 2**60 + 2]), None, "m", "")
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_infer_request(_simple_json(shape=[4, 2**60 + 2], datatype="BYTES", data=["x"]), None, "m", "")
+    assert "overflow" not in caught.value.message
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_infer_request(_simple_json(shape=[2**61 - 1], datatype="INT32"), None, "m", "")  # 2**63 - 4 bytes
+    assert "overflow" not in caught.value.message
+
+
 def test_json_nested_deeper_than_100_levels_is_refused_in_tritons_words() -> None:
     too_deep = "JSON nesting depth exceeds maximum allowed limit (100)"
     for depth, body in [

@@ -14,11 +14,14 @@ LENGTH_PREFIX = struct.Struct("<I")
 INT64_MAX = 2**63 - 1  # Triton counts elements in int64: a shape holding more is refused before any allocation
 
 
-def element_count(name: str, shape: Sequence[int]) -> int:
+def element_count(name: str, shape: Sequence[int], itemsize: int = 0) -> int:
     """How many elements `shape` holds (negative dimensions are the caller's to refuse).
 
-    Both protocols decode with it, so a shape whose count passes int64 is refused once, in Triton's words, before
-    anything is sized from it ("... causes total element count to exceed maximum size of ...")."""
+    Both protocols decode with it, so a shape whose count, or whose byte size at `itemsize` bytes an element (0:
+    BYTES, sized by its data), passes int64 is refused once, in Triton's words, before anything is sized from it:
+    "... causes total element count to exceed maximum size of ..." for the count, then "byte size overflow for
+    input ..." for the bytes, in that order (Triton's qa/L0_http test_buffer_size_overflow; the words after "input"
+    name it as Triton's other input errors do)."""
     count = 1
     for dim in shape:
         count *= dim
@@ -27,6 +30,8 @@ def element_count(name: str, shape: Sequence[int]) -> int:
             raise InvalidArgumentError(
                 f"input '{name}' with shape [{dims}] causes total element count to exceed maximum size of {INT64_MAX}"
             )
+    if count * itemsize > INT64_MAX:
+        raise InvalidArgumentError(f"byte size overflow for input '{name}'")
     return count
 
 

@@ -254,7 +254,8 @@ def _decode(
     request: InferenceRequest, name: str, wire: str, shape: tuple[int, ...],
     buffer: bytes | memoryview | None, typed: np.ndarray | list[bytes] | None,
 ) -> tuple[np.ndarray, GeserveError | None]:
-    count = element_count(name, shape)  # refuses a count past int64 at once, before anything is sized from it
+    # refuses a count or a byte size past int64 at once, before anything is sized from it
+    count = element_count(name, shape, BY_WIRE[wire].itemsize)
     model = request.model_name
     if min(shape, default=0) < 0:
         return np.empty(0, np.uint8), InvalidArgumentError(

@@ -6,8 +6,9 @@ import base64
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -31,7 +32,13 @@ from geserve.frontends.http.answers import (
     error_response,
     infer_response,
 )
-from geserve.frontends.http.codec import RequestParseError, decode_infer_request, parse_json
+from geserve.frontends.http.codec import (
+    RequestParseError,
+    decode_infer_request,
+    load_json,
+    parse_json,
+    refuse_deep_json,
+)
 from geserve.frontends.http.express import ExpressLane, infer_target
 from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService
@@ -43,8 +50,6 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-_MODEL_ACTIONS = {"": "GET", "ready": "GET", "config": "GET", "stats": "GET", "infer": "POST"}
-_SHM_ACTIONS = {"status": "GET", "register": "POST", "unregister": "POST"}
 # Triton's HTTP wording for a setting of the wrong JSON type (its parser's; it answers them with 500, geserve 400).
 _JSON_TYPE_ERRORS = {
     bool: "attempt to access JSON non-boolean as boolean",
@@ -62,6 +67,114 @@ BodySource = bytes | Receive
 
 class ClientDisconnected(Exception):
     pass
+
+
+class _Call(NamedTuple):
+    """A routed request as its route's handler sees it: `args` are the path's parameters, in the pattern's order."""
+
+    path: str
+    args: tuple[str, ...]
+    source: BodySource
+    headers: dict[bytes, bytes]
+    context: CallContext
+
+
+Handler = Callable[["HttpFrontend", _Call], Awaitable[Response]]
+
+
+class _Route:
+    """One path pattern: its segments (a `{parameter}` takes any non-empty segment, `{version}` only digits), the
+    handler of each method it serves, and the content type of the 405 that answers the others."""
+
+    __slots__ = ("_literals", "_params", "_wanted", "handlers", "not_allowed", "segments")
+
+    def __init__(self, pattern: str, not_allowed: bytes) -> None:
+        self.segments = tuple(_segment(s) for s in pattern.split("/")[1:])
+        self.handlers: dict[str, Handler] = {}
+        self.not_allowed = not_allowed
+        # one C call reads a path's segments where the pattern has literals (a tuple, or the one string); the same
+        # call on the pattern gives the literals it wants there
+        self._literals = itemgetter(*[i for i, s in enumerate(self.segments) if isinstance(s, str)])
+        self._wanted = self._literals(self.segments)
+        self._params = [(i, s) for i, s in enumerate(self.segments) if not isinstance(s, str)]
+
+    def match(self, parts: list[str]) -> tuple[str, ...] | None:
+        """The path's parameters if `parts` (as many as the pattern's segments) fit the pattern, else None."""
+        if self._literals(parts) != self._wanted:
+            return None
+        args = []
+        for i, accepts in self._params:
+            if not accepts(parts[i]):
+                return None
+            args.append(parts[i])
+        return tuple(args)
+
+
+def _segment(text: str) -> str | Callable[[str], bool]:
+    """A pattern's segment: itself, or for a parameter the test of the values it takes."""
+    if not text.startswith("{"):
+        return text
+    return str.isdigit if text == "{version}" else bool
+
+
+_SEEN_PATHS = 1024  # paths remembered by the router
+_SEEN_PATH_SIZE = 256  # longest remembered: what they hold stays small whatever clients send
+
+
+class _Router:
+    """The route table compiled: routes grouped by pattern, tried in table order among those that could fit the path
+    (as many segments, and the same last one unless the pattern's is a parameter). What is before the path's first
+    `/` is not looked at."""
+
+    def __init__(self, table: Iterable[tuple[str, str, Handler, bytes]]) -> None:
+        routes: dict[str, _Route] = {}
+        for method, pattern, handler, not_allowed in table:
+            route = routes.setdefault(pattern, _Route(pattern, not_allowed))
+            if route.not_allowed != not_allowed or method in route.handlers:
+                raise ValueError(f"route {method} {pattern} given twice or with two 405 content types")
+            route.handlers[method] = handler
+        ordered = list(routes.values())
+        # by segment count, the routes ending in a parameter; by count and last segment, those ending in it as well
+        self._open = {size: _fitting(ordered, size, None) for size, _ in _ends(ordered)}
+        self._by_tail = {
+            (size, tail): _fitting(ordered, size, tail) for size, tail in _ends(ordered) if tail is not None
+        }
+        self._seen: dict[str, tuple[_Route, tuple[str, ...]]] = {}
+
+    def find(self, path: str) -> tuple[_Route, tuple[str, ...]] | None:
+        """The route `path` fits and its parameters; a short path that fitted is remembered (clients repeat theirs)."""
+        found = self._seen.get(path)
+        if found is None:
+            found = self._search(path)
+            if found is not None and len(path) <= _SEEN_PATH_SIZE:
+                if len(self._seen) >= _SEEN_PATHS:
+                    self._seen.clear()
+                self._seen[path] = found
+        return found
+
+    def _search(self, path: str) -> tuple[_Route, tuple[str, ...]] | None:
+        parts = path.split("/")[1:]
+        size = len(parts)
+        routes = self._by_tail.get((size, parts[-1])) if parts else None
+        for route in self._open.get(size, ()) if routes is None else routes:
+            args = route.match(parts)
+            if args is not None:
+                return route, args
+        return None
+
+
+def _ends(routes: list[_Route]) -> set[tuple[int, str | None]]:
+    """Each route's segment count and last segment (None for a parameter)."""
+    return {(len(r.segments), r.segments[-1] if isinstance(r.segments[-1], str) else None) for r in routes}
+
+
+def _fitting(routes: list[_Route], size: int, tail: str | None) -> list[_Route]:
+    """The routes, in order, that may fit a path of `size` segments ending in `tail` (None: in a segment no pattern
+    ends in)."""
+    return [
+        r for r in routes
+        if len(r.segments) == size and (r.segments[-1] == tail or not isinstance(r.segments[-1], str))
+    ]
 
 
 class HttpFrontend:
@@ -111,87 +224,82 @@ class HttpFrontend:
     async def _dispatch(
         self, method: str, path: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> Response:
-        """Triton's routes; a known route asked with the wrong method is 405, anything else 404."""
-        service = self._service
-        parts = path.split("/")[1:]
-        if not parts or parts[0] != "v2":
+        """Triton's routes (`_ROUTER`): a known route asked with the wrong method is 405, anything else 404."""
+        found = _ROUTER.find(path)
+        if found is None:
             return _not_found()
-        if len(parts) == 1:
-            return _json(service.server_metadata(context)) if method == "GET" else _not_allowed()
-        group = parts[1]
-        if group == "models" and len(parts) == 2:  # not Triton's: the list a newcomer asks first (the index's content)
-            return _json({"models": service.model_list(context)}) if method == "GET" else _not_allowed()
-        if group == "models" and len(parts) > 2:
-            if parts[2:] == ["stats"]:
-                return _json(await service.statistics(context=context)) if method == "GET" else _not_allowed()
-            return await self._model_route(method, path, parts[2:], source, headers, context)
-        if group == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
-            if method != "GET":
-                return _not_allowed(TEXT)
-            ok = service.live(context) if parts[2] == "live" else service.ready(context)
-            return (200, b"", TEXT, []) if ok else (400, b"", TEXT, [])
-        if group == "repository":
-            if parts[2:] == ["index"]:
-                if method != "POST":
-                    return _not_allowed()
-                body = await self._read_body(source, headers)
-                options = parse_json(body) if body.strip() else {}
-                ready = options.get("ready", False) if isinstance(options, dict) else False
-                if not isinstance(ready, bool):
-                    raise RequestParseError("Invalid value for 'ready': expected a boolean")  # newer Triton's words
-                return _json(service.repository_index(ready, context))
-            if len(parts) == 5 and parts[2] == "models" and parts[3] and parts[4] in ("load", "unload"):
-                if method != "POST":
-                    return _not_allowed()
-                return await self._repository_action(parts[3], parts[4], source, headers, context)
-        if group in ("systemsharedmemory", "cudasharedmemory"):
-            return await self._shm_route(group, method, parts[2:], source, headers, context)
-        if parts[1:] == ["logging"]:
-            if method == "GET":
-                return _json(await service.log_settings(context=context))
-            if method != "POST":
-                return _not_allowed()
-            changes = _log_changes(parse_json(await self._read_body(source, headers)))
-            return _json(await service.log_settings(changes, context))
-        if parts[1:] == ["trace", "setting"]:
-            return await self._trace_setting("", method, source, headers, context)
-        return _not_found()
+        route, args = found
+        handler = route.handlers.get(method)
+        if handler is None:
+            return _not_allowed(route.not_allowed)
+        return await handler(self, _Call(path, args, source, headers, context))
 
-    async def _shm_route(
-        self, group: str, method: str, rest: list[str], source: BodySource, headers: dict[bytes, bytes],
-        context: CallContext,
-    ) -> Response:
-        """`rest` follows /v2/{system,cuda}sharedmemory/: [region/{name}/]status|unregister, region/{name}/register."""
-        name = ""
-        if len(rest) == 3 and rest[0] == "region" and rest[1]:
-            name, rest = rest[1], rest[2:]
-        action = rest[0] if len(rest) == 1 else ""
-        if _SHM_ACTIONS.get(action) is None or (action == "register" and not name):
-            return _not_found()
-        if method != _SHM_ACTIONS[action]:
-            return _not_allowed()
-        cuda = group == "cudasharedmemory"
-        service = self._service
-        if action == "status":
-            if cuda:
-                return _json([
-                    {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
-                    for r in service.cuda_shared_memory_status(name, context)
-                ])
-            return _json([
-                {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                for r in service.shared_memory_status(name, context)
-            ])
-        if action == "unregister":
-            if cuda:
-                await service.unregister_cuda_shared_memory(name, context)
-            else:
-                await service.unregister_shared_memory(name, context)
-            return 200, b"", JSON, []
-        options = parse_json(await self._read_body(source, headers))
-        options = options if isinstance(options, dict) else {}
-        if cuda:
-            return await self._register_cuda(name, options, context)
+    # ---- the routes' handlers (`_ROUTES` says which path and method each serves) ----
+
+    async def _server_metadata(self, call: _Call) -> Response:
+        return _json(self._service.server_metadata(call.context))
+
+    async def _model_list(self, call: _Call) -> Response:  # not Triton's: the list a newcomer asks first
+        return _json({"models": self._service.model_list(call.context)})
+
+    async def _server_stats(self, call: _Call) -> Response:
+        return _json(await self._service.statistics(context=call.context))
+
+    async def _live(self, call: _Call) -> Response:
+        return _health(self._service.live(call.context))
+
+    async def _ready(self, call: _Call) -> Response:
+        return _health(self._service.ready(call.context))
+
+    async def _repository_index(self, call: _Call) -> Response:
+        body = await self._read_body(call.source, call.headers)
+        # `ready` is judged before the nesting depth: Triton's depth limit guards its reading of inference data, so
+        # a deeply nested index request whose `ready` is no boolean is refused for `ready` there (qa/L0_http).
+        options = load_json(body) if body.strip() else {}
+        ready = options.get("ready", False) if isinstance(options, dict) else False
+        if not isinstance(ready, bool):
+            raise RequestParseError("Invalid value for 'ready': expected a boolean")  # newer Triton's words
+        refuse_deep_json(body)
+        return _json(self._service.repository_index(ready, call.context))
+
+    async def _load(self, call: _Call) -> Response:
+        return await self._repository_action(call.args[0], "load", call)
+
+    async def _unload(self, call: _Call) -> Response:
+        return await self._repository_action(call.args[0], "unload", call)
+
+    async def _repository_action(self, name: str, action: str, call: _Call) -> Response:
+        body = await self._read_body(call.source, call.headers)
+        options = parse_json(body) if body.strip() else {}
+        parameters = options.get("parameters", {}) if isinstance(options, dict) else {}
+        if action == "load":
+            await self._service.load_model(name, parameters if isinstance(parameters, dict) else {}, call.context)
+        else:
+            await self._service.unload_model(name, call.context)
+        return 200, b"", JSON, []
+
+    async def _system_shm_status(self, call: _Call) -> Response:
+        return _json([
+            {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+            for r in self._service.shared_memory_status(_region(call), call.context)
+        ])
+
+    async def _cuda_shm_status(self, call: _Call) -> Response:
+        return _json([
+            {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
+            for r in self._service.cuda_shared_memory_status(_region(call), call.context)
+        ])
+
+    async def _system_shm_unregister(self, call: _Call) -> Response:
+        await self._service.unregister_shared_memory(_region(call), call.context)
+        return 200, b"", JSON, []
+
+    async def _cuda_shm_unregister(self, call: _Call) -> Response:
+        await self._service.unregister_cuda_shared_memory(_region(call), call.context)
+        return 200, b"", JSON, []
+
+    async def _system_shm_register(self, call: _Call) -> Response:
+        options = await self._register_options(call)
         for field in ("key", "byte_size"):
             if field not in options:
                 raise InvalidArgumentError(f"Shared memory register request has no '{field}' field")
@@ -200,11 +308,12 @@ class HttpFrontend:
             raise RequestParseError(_JSON_TYPE_ERRORS[str])
         if not all(type(v) is int and v >= 0 for v in (offset, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
-        await service.register_shared_memory(name, key, offset, byte_size, context)
+        await self._service.register_shared_memory(call.args[0], key, offset, byte_size, call.context)
         return 200, b"", JSON, []
 
-    async def _register_cuda(self, name: str, options: dict[str, Any], context: CallContext) -> Response:
+    async def _cuda_shm_register(self, call: _Call) -> Response:
         """`{"raw_handle": {"b64": ...}, "device_id": ..., "byte_size": ...}`, as tritonclient sends it."""
+        options = await self._register_options(call)
         if "raw_handle" not in options:
             raise InvalidArgumentError("Shared memory register request has no 'raw_handle' field")
         handle = options["raw_handle"]
@@ -216,60 +325,49 @@ class HttpFrontend:
         device_id, byte_size = options.get("device_id", 0), options.get("byte_size", 0)
         if not all(type(v) is int and v >= 0 for v in (device_id, byte_size)):
             raise RequestParseError(_JSON_TYPE_ERRORS[int])
-        await self._service.register_cuda_shared_memory(name, raw, device_id, byte_size, context)
+        await self._service.register_cuda_shared_memory(call.args[0], raw, device_id, byte_size, call.context)
         return 200, b"", JSON, []
 
-    async def _trace_setting(
-        self, model: str, method: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
-    ) -> Response:
-        if method not in ("GET", "POST"):
-            return _not_allowed()
-        changes = _trace_changes(parse_json(await self._read_body(source, headers))) if method == "POST" else None
-        values = await self._service.trace_setting(model, changes, context)
+    async def _register_options(self, call: _Call) -> dict[str, Any]:
+        options = parse_json(await self._read_body(call.source, call.headers))
+        return options if isinstance(options, dict) else {}
+
+    async def _get_log_settings(self, call: _Call) -> Response:
+        return _json(await self._service.log_settings(context=call.context))
+
+    async def _set_log_settings(self, call: _Call) -> Response:
+        changes = _log_changes(parse_json(await self._read_body(call.source, call.headers)))
+        return _json(await self._service.log_settings(changes, call.context))
+
+    async def _get_trace_setting(self, call: _Call) -> Response:
+        return await self._trace_setting(call, None)
+
+    async def _set_trace_setting(self, call: _Call) -> Response:
+        body = await self._read_body(call.source, call.headers)
+        return await self._trace_setting(call, _trace_changes(parse_json(body)))
+
+    async def _trace_setting(self, call: _Call, changes: dict[str, list[str]] | None) -> Response:
+        """The server's settings (no path parameter) or a model's (its name)."""
+        values = await self._service.trace_setting(call.args[0] if call.args else "", changes, call.context)
         ordered = {k: values[k] for k in _TRACE_KEYS if k in values}
         return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
-    async def _model_route(
-        self, method: str, path: str, parts: list[str], source: BodySource, headers: dict[bytes, bytes],
-        context: CallContext,
-    ) -> Response:
-        """`parts` follow /v2/models/: {name}[/versions/{digits}][/ready|/config|/stats|/infer]."""
-        name, version, rest = parts[0], "", parts[1:]
-        if rest == ["trace", "setting"] and name:
-            return await self._trace_setting(name, method, source, headers, context)
-        if rest[:1] == ["versions"]:
-            if len(rest) < 2 or not rest[1].isdigit():
-                return _not_found()
-            version, rest = rest[1], rest[2:]
-        action = rest[0] if rest else ""
-        if not name or len(rest) > 1 or action not in _MODEL_ACTIONS:
-            return _not_found()
-        if method != _MODEL_ACTIONS[action]:
-            return _not_allowed(TEXT if action in ("infer", "ready") else JSON)
-        service = self._service
-        if action == "infer":
-            return await self._infer(path, name, version, source, headers, context)
-        if action == "":
-            return _json(service.model_metadata(name, version, context))
-        if action == "ready":
-            if await service.model_ready(name, version, context):
-                return 200, b"", TEXT, []
-            return 400, error_body("Model version not ready"), TEXT, []
-        if action == "config":
-            return _json(message_to_json_dict(service.model_config(name, version, context)))
-        return _json(await service.statistics(name, version, context))
+    async def _model_metadata(self, call: _Call) -> Response:
+        return _json(self._service.model_metadata(*_model(call), call.context))
 
-    async def _repository_action(
-        self, name: str, action: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
-    ) -> Response:
-        body = await self._read_body(source, headers)
-        options = parse_json(body) if body.strip() else {}
-        parameters = options.get("parameters", {}) if isinstance(options, dict) else {}
-        if action == "load":
-            await self._service.load_model(name, parameters if isinstance(parameters, dict) else {}, context)
-        else:
-            await self._service.unload_model(name, context)
-        return 200, b"", JSON, []
+    async def _model_ready(self, call: _Call) -> Response:
+        if await self._service.model_ready(*_model(call), call.context):
+            return 200, b"", TEXT, []
+        return 400, error_body("Model version not ready"), TEXT, []
+
+    async def _model_config(self, call: _Call) -> Response:
+        return _json(message_to_json_dict(self._service.model_config(*_model(call), call.context)))
+
+    async def _model_stats(self, call: _Call) -> Response:
+        return _json(await self._service.statistics(*_model(call), call.context))
+
+    async def _model_infer(self, call: _Call) -> Response:
+        return await self._infer(call.path, *_model(call), call.source, call.headers, call.context)
 
     async def _infer(
         self, path: str, name: str, version: str, source: BodySource, headers: dict[bytes, bytes],
@@ -364,6 +462,72 @@ class HttpFrontend:
             for coding in reversed(_codings(encoding, transfer)):  # the last applied is the first undone
                 body = _decompress(body, coding, limit)
         return body
+
+
+def _model_routes() -> Iterator[tuple[str, str, Handler, bytes]]:
+    """A model's routes, each for its default version and with /versions/{version}; `.../{name}/` is its metadata."""
+    own = (
+        ("POST", "/infer", HttpFrontend._model_infer, TEXT),
+        ("GET", "/ready", HttpFrontend._model_ready, TEXT),
+        ("GET", "/config", HttpFrontend._model_config, JSON),
+        ("GET", "/stats", HttpFrontend._model_stats, JSON),
+        ("GET", "", HttpFrontend._model_metadata, JSON),
+        ("GET", "/", HttpFrontend._model_metadata, JSON),
+    )
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        for method, tail, handler, not_allowed in own:
+            yield method, prefix + tail, handler, not_allowed
+
+
+def _shm_routes() -> Iterator[tuple[str, str, Handler, bytes]]:
+    """Both kinds of shared memory: status and unregister of all regions or one, register of one."""
+    front = HttpFrontend
+    for kind, status, unregister, register in (
+        ("system", front._system_shm_status, front._system_shm_unregister, front._system_shm_register),
+        ("cuda", front._cuda_shm_status, front._cuda_shm_unregister, front._cuda_shm_register),
+    ):
+        for prefix in (f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{name}}"):
+            yield "GET", f"{prefix}/status", status, JSON
+            yield "POST", f"{prefix}/unregister", unregister, JSON
+        yield "POST", f"/v2/{kind}sharedmemory/region/{{name}}/register", register, JSON
+
+
+# Triton's HTTP routes: (method, path pattern, handler, content type of the 405 for another method). Where two patterns
+# fit a path the first listed wins (/v2/models/stats before the metadata of a model named "stats").
+_ROUTES: list[tuple[str, str, Handler, bytes]] = [
+    ("GET", "/v2", HttpFrontend._server_metadata, JSON),
+    ("GET", "/v2/models", HttpFrontend._model_list, JSON),
+    ("GET", "/v2/models/stats", HttpFrontend._server_stats, JSON),
+    *_model_routes(),
+    ("GET", "/v2/models/{name}/trace/setting", HttpFrontend._get_trace_setting, JSON),
+    ("POST", "/v2/models/{name}/trace/setting", HttpFrontend._set_trace_setting, JSON),
+    ("GET", "/v2/health/live", HttpFrontend._live, TEXT),
+    ("GET", "/v2/health/ready", HttpFrontend._ready, TEXT),
+    ("POST", "/v2/repository/index", HttpFrontend._repository_index, JSON),
+    ("POST", "/v2/repository/models/{name}/load", HttpFrontend._load, JSON),
+    ("POST", "/v2/repository/models/{name}/unload", HttpFrontend._unload, JSON),
+    *_shm_routes(),
+    ("GET", "/v2/logging", HttpFrontend._get_log_settings, JSON),
+    ("POST", "/v2/logging", HttpFrontend._set_log_settings, JSON),
+    ("GET", "/v2/trace/setting", HttpFrontend._get_trace_setting, JSON),
+    ("POST", "/v2/trace/setting", HttpFrontend._set_trace_setting, JSON),
+]
+_ROUTER = _Router(_ROUTES)
+
+
+def _model(call: _Call) -> tuple[str, str]:
+    """A model route's name and version ("" for the default)."""
+    args = call.args
+    return args[0], args[1] if len(args) > 1 else ""
+
+
+def _region(call: _Call) -> str:
+    """A shared memory route's region name: "" for all regions."""
+    return call.args[0] if call.args else ""
+
+
+def _health(ok: bool) -> Response:
+    return (200, b"", TEXT, []) if ok else (400, b"", TEXT, [])
 
 
 class _HeaderView(Mapping[str, str]):

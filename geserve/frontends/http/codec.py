@@ -16,6 +16,7 @@ from geserve.errors import InvalidArgumentError, NotFoundError
 from geserve.service.shared_memory import SharedMemoryRegistry
 from geserve.types import (
     BY_WIRE,
+    DataType,
     InferenceRequest,
     InferenceResponse,
     InputTensor,
@@ -58,16 +59,27 @@ def parse_json(body: bytes | memoryview, what: str = "request") -> Any:
     orjson's own limit is 1024 levels. The depth is checked after a successful parse and only when the body holds
     more than 100 opening brackets (two C-speed counts), so the usual request pays nothing; such a body has its
     strings blanked and its bracket depth summed with numpy (linear in the body, a fraction of the parse)."""
+    value = load_json(body, what)
+    refuse_deep_json(body)
+    return value
+
+
+def load_json(body: bytes | memoryview, what: str = "request") -> Any:
+    """The body's JSON without the 100-level check, for a handler that validates its fields first (Triton finds a
+    repository-index `ready` of the wrong type before any depth); it calls `refuse_deep_json` after them."""
     try:
-        value = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         if "depth" in str(exc) or "recursion" in str(exc).lower():  # past orjson's own limit
             raise RequestParseError(_TOO_DEEP) from None
         raise RequestParseError(f"failed to parse the {what} JSON buffer: {exc}") from None
+
+
+def refuse_deep_json(body: bytes | memoryview) -> None:
+    """Refuse, in Triton's words, a well-formed JSON body nested deeper than 100 levels."""
     raw = body if isinstance(body, bytes) else body.tobytes()  # a memoryview is only ever a short JSON header
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(raw) > MAX_JSON_DEPTH:
         raise RequestParseError(_TOO_DEEP)
-    return value
 
 
 def json_depth(raw: bytes) -> int:
@@ -96,13 +108,24 @@ def decode_infer_request(
         raise InvalidArgumentError(
             f"inference header size should be in range (0, {len(body)}), got: {header_length}"
         )
+    key = None
     if header_length < len(body) and header_length <= _KNOWN_HEADER_SIZE:
         key = body[:header_length]
         known = _known_headers.get(key)
         if known is not None and header_length + known.data_size == len(body):
             return known.request(body, header_length, model_name, version)
-    else:
-        key = None
+    header, inputs, offset = _decode_header(body, header_length, model_name, shm)
+    request = InferenceRequest(model_name, version, inputs)
+    _decode_rest(request, header)
+    if key is not None and KnownHeader.holds(header, request):
+        _remember(key, KnownHeader(request, offset - header_length))
+    return request
+
+
+def _decode_header(
+    body: bytes, header_length: int, model: str, shm: SharedMemoryRegistry | None
+) -> tuple[dict[str, Any], list[InputTensor], int]:
+    """The JSON header, the inputs it describes and where their binary data ends (the body's end)."""
     header = parse_json(body if header_length == len(body) else memoryview(body)[:header_length])
     if not isinstance(header, dict):
         raise RequestParseError("the inference request must be a JSON object")
@@ -117,14 +140,18 @@ def decode_infer_request(
     offset = header_length
     inputs = []
     for item in items:
-        tensor, offset = _decode_input(item, body, offset, header, model_name, shm)
+        tensor, offset = _decode_input(item, body, offset, header, model, shm)
         inputs.append(tensor)
     if offset != len(body):
         raise RequestParseError(
             f"unexpected additional input data: {len(body) - offset} bytes of binary data are not claimed by "
             f"any input's 'binary_data_size'"
         )
-    request = InferenceRequest(model_name, version, inputs)
+    return header, inputs, offset
+
+
+def _decode_rest(request: InferenceRequest, header: dict[str, Any]) -> None:
+    """The header's id, parameters and outputs, into `request` (whose inputs are decoded)."""
     request_id = header.get("id")
     if request_id is not None:
         if not isinstance(request_id, str):
@@ -139,11 +166,12 @@ def decode_infer_request(
             raise RequestParseError("Unable to parse 'outputs': expected an array")
         # kept as sent: a name asked twice is the service's to refuse (one rule for every protocol)
         request.outputs = [_decode_output(item) for item in outputs]
-    if key is not None and KnownHeader.holds(header, request):
-        if len(_known_headers) >= _KNOWN_HEADERS:
-            _known_headers.clear()  # a client that never repeats its header gains nothing from keeping them
-        _known_headers[key] = KnownHeader(request, offset - header_length)
-    return request
+
+
+def _remember(key: bytes, known: KnownHeader) -> None:
+    if len(_known_headers) >= _KNOWN_HEADERS:
+        _known_headers.clear()  # a client that never repeats its header gains nothing from keeping them
+    _known_headers[key] = known
 
 
 class KnownHeader:
@@ -203,6 +231,29 @@ _known_headers: dict[bytes, KnownHeader] = {}
 def _decode_input(
     item: Any, body: bytes, offset: int, header: dict[str, Any], model: str, shm: SharedMemoryRegistry | None
 ) -> tuple[InputTensor, int]:
+    """One input, its data from shared memory, the body's binary part (at `offset`) or JSON; and the offset after
+    its binary data."""
+    name, datatype, shape, count = _input_head(item)
+    parameters = _parameters(item)
+    size = parameters.get("binary_data_size")
+    if parameters and _SHM in parameters:
+        _shm_only(item, size)
+        view = _registry(shm, parameters[_SHM]).read(*_shm_location(parameters))
+        data = _shm_input(name, datatype.wire, datatype.numpy, shape, count, view, header, model)
+        return InputTensor(name, datatype.wire, shape, data, parameters), offset
+    if size is None:
+        if "data" not in item:
+            raise RequestParseError(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
+        data = _json_to_array(name, item["data"], datatype.wire, datatype.numpy, count).reshape(shape)
+        return InputTensor(name, datatype.wire, shape, data, parameters), offset
+    data = _binary_input(name, datatype, shape, count, body, offset, size)
+    parameters = dict(parameters)  # the request's own, less the framing
+    del parameters["binary_data_size"]
+    return InputTensor(name, datatype.wire, shape, data, parameters), offset + size
+
+
+def _input_head(item: Any) -> tuple[str, DataType, tuple[int, ...], int]:
+    """An input's name, datatype, shape and element count."""
     if not isinstance(item, dict):
         raise RequestParseError("Unable to parse 'inputs': each input must be a JSON object")
     try:
@@ -213,9 +264,10 @@ def _decode_input(
         raise RequestParseError(
             f"Unable to parse {exc}: attempt to access non-existing object member {exc}"
         ) from None
-    for key, value in (("name", name), ("datatype", datatype_name)):
-        if not isinstance(value, str):  # a list would not even hash as a lookup key
-            raise RequestParseError(_NOT_STRING.format(key))
+    if not isinstance(name, str):  # a list would not even hash as a lookup key
+        raise RequestParseError(_NOT_STRING.format("name"))
+    if not isinstance(datatype_name, str):
+        raise RequestParseError(_NOT_STRING.format("datatype"))
     datatype = BY_WIRE.get(datatype_name)
     if datatype is None:
         raise InvalidArgumentError(f"invalid datatype for input {name}")
@@ -223,41 +275,36 @@ def _decode_input(
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise RequestParseError(f"Unable to parse 'shape' of input '{name}': expected non-negative integers")
     shape_t = tuple(shape)
-    count = element_count(name, shape_t)
-    parameters = _parameters(item)
-    size = parameters.get("binary_data_size")
-    if parameters and _SHM in parameters:
-        given = [k for k, present in (("'data'", "data" in item), ("'binary_data_size'", size is not None)) if present]
-        if given:
-            raise InvalidArgumentError(
-                "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
-                f"'shared_memory_region' in 'parameters'. But set {' '.join(given)} 'shared_memory_region'"
-            )
-        view = _registry(shm, parameters[_SHM]).read(*_shm_location(parameters))
-        data = _shm_input(name, datatype.wire, datatype.numpy, shape_t, count, view, header, model)
-        return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
-    if size is not None:
-        if type(size) is not int or size < 0 or offset + size > len(body):
-            raise RequestParseError(
-                f"unexpected binary_data_size {size} for input '{name}': only {len(body) - offset} bytes remain"
-            )
-        if datatype.wire == "BYTES":
-            data = _decode_bytes(name, memoryview(body)[offset : offset + size], count).reshape(shape_t)
-        else:
-            expected = count * datatype.itemsize
-            if size != expected:
-                raise InvalidArgumentError(
-                    f"unexpected total byte size {size} for input '{name}', expecting {expected} "
-                    f"(shape {list(shape_t)}, datatype {datatype.wire})"
-                )
-            data = np.frombuffer(body, dtype=datatype.numpy, count=count, offset=offset).reshape(shape_t)
-        offset += size
-        parameters = {k: v for k, v in parameters.items() if k != "binary_data_size"}
-    else:
-        if "data" not in item:
-            raise RequestParseError(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
-        data = _json_to_array(name, item["data"], datatype.wire, datatype.numpy, count).reshape(shape_t)
-    return InputTensor(name, datatype.wire, shape_t, data, parameters), offset
+    return name, datatype, shape_t, element_count(name, shape_t, datatype.itemsize)
+
+
+def _shm_only(item: dict[str, Any], size: Any) -> None:
+    """An input in shared memory has no data of its own."""
+    given = [k for k, present in (("'data'", "data" in item), ("'binary_data_size'", size is not None)) if present]
+    if given:
+        raise InvalidArgumentError(
+            "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+            f"'shared_memory_region' in 'parameters'. But set {' '.join(given)} 'shared_memory_region'"
+        )
+
+
+def _binary_input(
+    name: str, datatype: DataType, shape: tuple[int, ...], count: int, body: bytes, offset: int, size: Any
+) -> np.ndarray:
+    """An input's `size` bytes of the body's binary part from `offset`: a view (BYTES elements are copied out)."""
+    if type(size) is not int or size < 0 or offset + size > len(body):
+        raise RequestParseError(
+            f"unexpected binary_data_size {size} for input '{name}': only {len(body) - offset} bytes remain"
+        )
+    if datatype.wire == "BYTES":
+        return _decode_bytes(name, memoryview(body)[offset : offset + size], count).reshape(shape)
+    expected = count * datatype.itemsize
+    if size != expected:
+        raise InvalidArgumentError(
+            f"unexpected total byte size {size} for input '{name}', expecting {expected} "
+            f"(shape {list(shape)}, datatype {datatype.wire})"
+        )
+    return np.frombuffer(body, dtype=datatype.numpy, count=count, offset=offset).reshape(shape)
 
 
 def _parameters(item: dict[str, Any]) -> dict[str, Any]:
