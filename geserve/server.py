@@ -80,8 +80,7 @@ class Server:
                 response_cache=self.response_cache is not None,
             ),
         )
-        polling = settings.model_control_mode == "poll"
-        self.poller = RepositoryPoller(self.store, self.manager, settings.repository_poll_secs) if polling else None
+        self.poller = _poller(settings, self.store, self.manager, link)
         security = _security(settings)
         tracing = _tracing(settings, link)
         # One shared memory registry and one set of log / trace settings behind every protocol.
@@ -300,6 +299,16 @@ def _exit_now() -> None:
 def _left(deadline: float, minimum: float = 0.0) -> float:
     """Seconds until `deadline` (on time.monotonic's clock), at least `minimum`."""
     return max(deadline - time.monotonic(), minimum)
+
+
+def _poller(
+    settings: ServerSettings, store: ModelStore, manager: ModelManager, link: WorkerLink | None
+) -> RepositoryPoller | None:
+    """Poll mode's scans, in one process; with workers the supervisor scans and tells every worker what changed
+    (workers/supervisor.py)."""
+    if settings.model_control_mode != "poll" or link is not None:
+        return None
+    return RepositoryPoller(store, manager, settings.repository_poll_secs)
 
 
 def _check_control(settings: ServerSettings) -> None:

@@ -315,3 +315,41 @@ def test_poll_mode_without_an_interval_loads_and_never_polls(tmp_path: Path) -> 
         models.simple(repo, "added")
         time.sleep(1.0)
         assert not _ready(server, "added")
+
+
+ROUNDS = 24  # new connections per check (urllib opens one per request): the supervisor spreads them on both workers
+
+
+def _everywhere(check: Callable[[], bool]) -> bool:
+    return all(check() for _ in range(ROUNDS))
+
+
+def test_with_workers_the_supervisor_scans_once_and_every_worker_follows(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    models.simple(repo)
+    with geserve([repo], tmp_path / "log", ["--workers", "2", "--log-verbose=1", *POLL]) as server:
+        _until(lambda: _everywhere(lambda: _request(server, "/v2/health/ready")[0] == 200), 60)
+
+        added = models.simple(repo, "added")
+        _until(lambda: _ready(server, "added"))
+        assert _everywhere(lambda: _request(server, "/v2/models/added/infer", SIMPLE_BODY)[0] == 200)
+
+        shutil.copytree(added / "1", added / "2")  # a new version: the latest (policy latest 1) replaces 1
+        _until(lambda: _request(server, "/v2/models/added/versions/2/ready")[0] == 200)
+        assert _everywhere(lambda: _request(server, "/v2/models/added/versions/2/ready")[0] == 200)
+        assert _everywhere(lambda: _request(server, "/v2/models/added/versions/1/ready")[0] != 200)
+
+        shutil.rmtree(added)
+        _until(lambda: not _ready(server, "added"))
+        assert _everywhere(lambda: not _ready(server, "added"))
+        assert _everywhere(lambda: _ready(server, "simple"))
+    log = server.log()
+    for worker in ("w0", "w1"):  # each worker loaded each version, told by the supervisor
+        assert f"{worker} " in log
+        for version in ("1", "2"):
+            assert any(f" {worker} " in line and f"successfully loaded 'added' version {version}" in line
+                       for line in log.splitlines()), (worker, version)
+    scans = [line for line in log.splitlines() if "scanned the model repositories" in line]
+    assert len(scans) >= 3
+    assert not any(f" {worker} " in line for line in scans for worker in ("w0", "w1"))  # the supervisor's alone

@@ -5,6 +5,10 @@ the new versions up before it stops the old ones, and a reload that fails leaves
 
 The scan walks the file system on a worker thread, so the event loop never waits on the disk. One cycle runs at a
 time: a slow load delays the next scan instead of overlapping it.
+
+What follows a scan is a `ModelFollower`: in one process the model manager itself; with `--workers N` the
+supervisor scans, alone, and its follower broadcasts each load and unload to every worker (geserve/workers/
+supervisor.py says why the supervisor).
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from geserve.errors import GeserveError
-from geserve.repository.lifecycle import ModelManager
 from geserve.repository.store import ModelFingerprint, ModelStore
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,14 @@ def compare(before: dict[str, ModelFingerprint], after: dict[str, ModelFingerpri
     )
 
 
+class ModelFollower(Protocol):
+    """What loads and unloads the models a scan found changed (the model manager has these)."""
+
+    async def load(self, name: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
+
+
 class RepositoryPoller:
     """Scans the repositories every `interval_s` seconds and has the manager load and unload what changed.
 
@@ -50,7 +62,7 @@ class RepositoryPoller:
     by the first scan; `start` begins the scans (none when `interval_s` is not positive, as Triton polls only with
     a non-zero --repository-poll-secs); `stop` ends them, abandoning a scan under way."""
 
-    def __init__(self, store: ModelStore, manager: ModelManager, interval_s: float) -> None:
+    def __init__(self, store: ModelStore, manager: ModelFollower, interval_s: float) -> None:
         self._store = store
         self._manager = manager
         self.interval_s = interval_s
@@ -79,6 +91,7 @@ class RepositoryPoller:
         """One scan, and the unloads and loads it calls for; what changed."""
         try:
             current = await asyncio.to_thread(self._store.snapshot)
+            logger.debug("scanned the model repositories")
         except GeserveError as exc:
             # As in Triton, a repository that cannot be read (two models of one name) changes nothing.
             logger.error("failed to poll the model repositories: %s", exc.message)

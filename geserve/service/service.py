@@ -749,6 +749,22 @@ class InferenceService:
             return await self._load_model(*args)
         if method == "unload_model":
             return await self._unload_model(*args)
+        # Poll mode with workers: what the supervisor's scan found changed (repository/poller.py), not a request.
+        if method == "poll_load":
+            return await self._manager.load(*args)
+        if method == "poll_unload":
+            return await self._manager.unload(*args)
+        if method.endswith("_shared_memory"):
+            return self._region_control(method, args)
+        if method == "log_settings":
+            return self._log.update(*args)
+        if method == "trace_setting":
+            return self._update_trace_setting(*args)
+        if method == "statistics":
+            return self._statistics(*args)
+        raise InternalError(f"unknown control call '{method}'")
+
+    def _region_control(self, method: str, args: tuple[Any, ...]) -> Any:
         if method == "register_shared_memory":
             return self.shared_memory.register(*args)
         if method == "unregister_shared_memory":
@@ -757,12 +773,6 @@ class InferenceService:
             return self.shared_memory.register_cuda(*args)
         if method == "unregister_cuda_shared_memory":
             return self.shared_memory.unregister_cuda(*args)
-        if method == "log_settings":
-            return self._log.update(*args)
-        if method == "trace_setting":
-            return self._update_trace_setting(*args)
-        if method == "statistics":
-            return self._statistics(*args)
         raise InternalError(f"unknown control call '{method}'")
 
 

@@ -7,6 +7,12 @@ unload, shared memory regions, log settings), gathers their statistics and metri
 itself), tells them when all are ready, restarts a worker that dies (replaying the control calls the server ran,
 so it comes back with the same models), and forwards a sequence's request to the worker that holds the sequence.
 Models live in every worker (see docs/guide/workers.md and docs/design.md for the measurement behind that choice).
+
+In poll mode the supervisor, not a worker, scans the repositories (repository/poller.py), once per interval, and
+broadcasts what changed as `poll_load` / `poll_unload` control calls, kept and replayed like explicit loads: every
+worker follows one scan, and none pays for its own. The supervisor because it outlives the workers: its record of
+what it last saw does not restart with a worker (a restarted worker 0 would snapshot the disk afresh and never tell
+the others of a change made while it was down), and it serves no requests for a scan to delay.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.frontends.tls import TlsError, tls_files
 from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
+from geserve.repository.poller import RepositoryPoller
+from geserve.repository.store import ModelStore
 from geserve.settings import ServerSettings
 from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors
 from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
@@ -45,9 +53,9 @@ logger = logging.getLogger(__name__)
 MAX_AUTO_WORKERS = 8
 # Control calls that change the server's state: kept (the latest per model, per region) and replayed to a worker
 # that joins later, so a restarted worker serves what the others serve.
-_REPLAYED = frozenset({"load_model", "unload_model", "register_shared_memory", "unregister_shared_memory",
-                       "register_cuda_shared_memory", "unregister_cuda_shared_memory", "log_settings",
-                       "trace_setting"})
+_REPLAYED = frozenset({"load_model", "unload_model", "poll_load", "poll_unload", "register_shared_memory",
+                       "unregister_shared_memory", "register_cuda_shared_memory", "unregister_cuda_shared_memory",
+                       "log_settings", "trace_setting"})
 _RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _STOP_GRACE_SECS = 10.0  # beyond --exit-timeout-secs, for a worker to unload its models and exit
 
@@ -93,6 +101,9 @@ class Supervisor:
         self._folder = tempfile.TemporaryDirectory(prefix="geserve-workers-")  # mode 0700: ours alone
         self.socket_path = str(Path(self._folder.name) / "control.sock")
         self._dispatch = Dispatcher(doors(settings))
+        polling = settings.model_control_mode == "poll"
+        store = ModelStore(settings.model_repositories)
+        self._poller = RepositoryPoller(store, _EveryWorker(self), settings.repository_poll_secs) if polling else None
 
     # ---- the life of the server --------------------------------------------------------------------
 
@@ -126,6 +137,7 @@ class Supervisor:
                 await self._stop_all([])
                 return 1
             logger.info("serving with %d workers", len(self.workers))
+            self._start_polling()
             watchers = [asyncio.create_task(self._watch(worker, stop)) for worker in self.workers]
             await stop.wait()
             return 0 if await self._stop_all(watchers) else 1
@@ -141,6 +153,7 @@ class Supervisor:
     async def _start_all(self, stop: asyncio.Event) -> bool:
         """Start every worker and wait until all serve; one that exits first fails the start (as one process's
         failed start does), and the others are stopped."""
+        await self._snapshot()
         for worker in self.workers:
             await self._spawn(worker)
         while not all(w.serving for w in self.workers):
@@ -217,6 +230,7 @@ class Supervisor:
         (systemd signals every process of the service's cgroup) does not count two signals and exit without
         draining."""
         self._stopping = True
+        await self._stop_polling()
         self._dispatch.close()  # no new connections; the workers drain theirs
         self._send_ready()
         for worker in self.workers:
@@ -237,6 +251,20 @@ class Supervisor:
         for watcher in watchers:
             watcher.cancel()
         return all(p.returncode == 0 for p in processes)
+
+    async def _snapshot(self) -> None:
+        """Poll mode: what is on disk before the workers read any config, so a change while they load is seen."""
+        if self._poller is not None:
+            await self._poller.snapshot()
+
+    def _start_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.start()
+
+    async def _stop_polling(self) -> None:
+        """No load starts once stopping began."""
+        if self._poller is not None:
+            await self._poller.stop()
 
     def _kill_all(self) -> None:
         for worker in self.workers:
@@ -339,7 +367,7 @@ class Supervisor:
 
     def _record(self, method: str, args: tuple[Any, ...]) -> None:
         """Keep what a joining worker must replay: the latest call per model and per region, the log settings."""
-        if method in ("load_model", "unload_model"):
+        if method in ("load_model", "unload_model", "poll_load", "poll_unload"):
             key = ("model", args[0])
         elif method.startswith("unregister_") and not args[0]:  # every region of its kind
             kind = method.removeprefix("unregister_")
@@ -398,3 +426,17 @@ class Supervisor:
             *(peer.call("metrics") for _, peer in self._joined()), return_exceptions=True
         )
         return merge_expositions([t.decode() for t in texts if isinstance(t, bytes)]) + render(self._machine)
+
+
+class _EveryWorker:
+    """Poll mode: what the supervisor's scan found changed, loaded or unloaded on every worker (and replayed to one
+    that joins later); a worker's failure fails the load with its reason, which the poller reports."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    async def load(self, name: str) -> None:
+        await self._supervisor._broadcast(-1, "poll_load", (name,))  # -1: no worker asked
+
+    async def unload(self, name: str) -> None:
+        await self._supervisor._broadcast(-1, "poll_unload", (name,))
