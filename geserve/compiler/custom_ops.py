@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 
 from geserve.compiler.errors import CompilerError
+from geserve.compiler.keep import name_nodes
 
 # Domains ONNX Runtime implements itself: ONNX's, ONNX-ML's and its own contrib ops, plus the internal ones its
 # optimizer may write (NCHWc, NHWC layouts). Any other domain needs a library.
@@ -68,10 +69,4 @@ def custom_domains(model: onnx.ModelProto) -> list[str]:
 def custom_node_names(model: onnx.ModelProto) -> list[str]:
     """The names of the custom-domain nodes, naming those that have none (the FP16 converter blocks nodes by name)."""
     taken = {node.name for node in _nodes(model.graph)}
-    names = []
-    for node in (n for n in _nodes(model.graph) if n.domain not in STANDARD_DOMAINS):
-        if not node.name:
-            node.name = next(name for k in range(len(taken) + 1) if (name := f"{node.op_type}_custom_{k}") not in taken)
-            taken.add(node.name)
-        names.append(node.name)
-    return names
+    return name_nodes((n for n in _nodes(model.graph) if n.domain not in STANDARD_DOMAINS), taken, "custom")

@@ -19,7 +19,6 @@ from geserve.compiler.layers import LayerReport, LayerTensor, match
 INDEX = "index.json"
 BATCH_PREFIX = "batch_"
 FORMAT = 1
-EXIT_OK, EXIT_OVER, EXIT_ERROR = 0, 1, 2
 
 
 def batch_name(number: int) -> str:
@@ -112,11 +111,11 @@ def run_folders(args: argparse.Namespace) -> int:
             report.write_csv(args.layers_csv, args.threshold)
     except CompilerError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return compare.EXIT_ERROR
     for line in report.lines(args.threshold):
         print(line)
     finals = [row for row in report.rows if row.pair.golden.kind == "output"]
     if not finals:
         print("error: the dumps share no final output", file=sys.stderr)
-        return EXIT_ERROR
-    return EXIT_OVER if any(not row.result.within(args.threshold) for row in finals) else EXIT_OK
+        return compare.EXIT_ERROR
+    return compare.EXIT_OVER if any(not row.result.within(args.threshold) for row in finals) else compare.EXIT_OK

@@ -3,7 +3,9 @@ quantization, named as `compile --check --layers` reports them."""
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import onnx
@@ -51,12 +53,17 @@ def excluded_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
     excludes nodes by name only: an unnamed node of a kept op type is given one."""
     nodes, op_types = kept_nodes_and_ops(model, names)
     taken = {node.name for node in model.graph.node}
-    for index, node in enumerate(model.graph.node):
-        if node.op_type in op_types and not node.name:
-            node.name = next(n for k in range(index, index + len(taken) + 1)
-                             if (n := f"{node.op_type}_keep_fp32_{k}") not in taken)
+    of_kept_types = (node for node in model.graph.node if node.op_type in op_types)
+    return list(dict.fromkeys([*nodes, *name_nodes(of_kept_types, taken, "keep_fp32")]))
+
+
+def name_nodes(nodes: Iterable[onnx.NodeProto], taken: set[str], tag: str) -> list[str]:
+    """The nodes' names, a node without one given `<op_type>_<tag>_<k>` not in `taken` (which grows): the FP16
+    converter and the quantizer exclude nodes by name only."""
+    names = []
+    for node in nodes:
+        if not node.name:
+            node.name = next(name for k in itertools.count() if (name := f"{node.op_type}_{tag}_{k}") not in taken)
             taken.add(node.name)
-            nodes.append(node.name)
-        elif node.op_type in op_types:
-            nodes.append(node.name)
-    return list(dict.fromkeys(nodes))
+        names.append(node.name)
+    return names

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from geserve.backends.ge.parameters import custom_op_libraries
 from geserve.compiler import CompileOptions, CompilerError
 from geserve.compiler.package import is_package, load_key, read_manifest, read_package
 from geserve.compiler.tensorflow import is_tensorflow_model, model_kind
@@ -54,7 +55,9 @@ def compile_on_load(config: ModelConfig, source_path: Path, model_dir: Path) -> 
     from geserve.compiler.cache import compile_cached
 
     try:
-        libraries = [model_dir / library for library in custom_ops_parameter(config)]
+        # A compile on load registers the model's `custom_ops` libraries as serving does.
+        value = config.parameters["custom_ops"].string_value if "custom_ops" in config.parameters else ""
+        libraries = [model_dir / library for library in custom_op_libraries(value)]
         options = CompileOptions(model=source_path, custom_op_libraries=libraries,
                                  **_compile_fields(config, source_path, model_dir))
         started = time.perf_counter()
@@ -102,12 +105,6 @@ def _compile_fields(config: ModelConfig, source_path: Path, model_dir: Path) -> 
         fields.setdefault("input_shapes", {t.name: [*batch, *t.dims] for t in config.input})
         fields.setdefault("out_nodes", [t.name for t in config.output])
     return fields
-
-
-def custom_ops_parameter(config: ModelConfig) -> list[str]:
-    """The model's `custom_ops` libraries, relative to its folder: a compile on load registers them as serving does."""
-    value = config.parameters["custom_ops"].string_value if "custom_ops" in config.parameters else ""
-    return [library.strip() for library in value.split(",") if library.strip()]
 
 
 def package_libraries(path: Path) -> list[str]:

@@ -75,6 +75,12 @@ def _as_int(key: str, value: str, minimum: int = 0) -> int:
     return number
 
 
+def custom_op_libraries(value: str) -> list[str]:
+    """The `custom_ops` parameter's comma-separated libraries, relative to the model folder (serving and compiling on
+    first load read it alike)."""
+    return [library.strip() for library in value.split(",") if library.strip()]
+
+
 def _as_int_list(key: str, value: str) -> list[int]:
     return [_as_int(key, part) for part in value.replace(";", ",").split(",") if part.strip()]
 
@@ -115,7 +121,7 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
     "enable_mem_arena": lambda o, k, v: setattr(o, "enable_mem_arena", _as_bool(k, v)),
     "enable_mem_pattern": lambda o, k, v: setattr(o, "enable_mem_pattern", _as_bool(k, v)),
     "share_weights": lambda o, k, v: setattr(o, "share_weights", _as_bool(k, v)),
-    "custom_ops": lambda o, k, v: o.custom_ops.__setitem__(slice(None), [p.strip() for p in v.split(",") if p.strip()]),
+    "custom_ops": lambda o, k, v: o.custom_ops.__setitem__(slice(None), custom_op_libraries(v)),
 }
 
 # Read by other layers (the scheduler, the compiler); accepted here so they are not rejected as unknown.
