@@ -64,6 +64,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest accepted request body in bytes (default 64 MiB)")
     add("--http-server", choices=["native", "uvicorn"], default="native",
         help="the HTTP server under the ASGI app (geserve's own lean one, or uvicorn)")
+    add("--inference-shortcuts", type=_bool, default=True, metavar="on|off",
+        help="the request path's shortcuts (answer on the loop, queue with a callback, remembered headers, replayed "
+             "HTTP heads); off: every inference in a task, the same answers, slower (for comparison)")
     add("--inline-execution-us", type=int, default=250,
         help="run executions typically taking less CPU time than this on the event loop (0: always on instance "
              "threads)")

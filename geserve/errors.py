@@ -16,6 +16,7 @@ class ErrorCode(enum.Enum):
     CANCELLED = "CANCELLED"
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no credentials, or ones that do not verify (HTTP 401)
     PERMISSION_DENIED = "PERMISSION_DENIED"  # verified credentials that do not grant the call (HTTP 403)
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the call's deadline passed before its answer (service/deadlines.py)
 
 
 class GeserveError(Exception):
@@ -64,6 +65,16 @@ class InternalError(GeserveError):
 
 class CancelledError(GeserveError):
     code = ErrorCode.CANCELLED
+
+
+class DeadlineExceededError(GeserveError):
+    """The call's deadline passed before its answer. Counted as CANCELED (what the caller's gRPC library does with a
+    call whose deadline passed: it gives up on it), until overload control gives deadlines their own reason."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+    def __init__(self, message: str = "Deadline Exceeded") -> None:
+        super().__init__(message, "CANCELED")
 
 
 class UnauthenticatedError(GeserveError):

@@ -97,6 +97,7 @@ class Server:
             response_cache=self.response_cache,
             cluster=link,
             tracing=tracing,
+            shortcuts=settings.inference_shortcuts,
         )
         registry.attach_host(self.service.host)
         http_tls, grpc_tls = _tls(settings)
@@ -105,11 +106,13 @@ class Server:
         self.frontends: list[Frontend] = []
         if settings.allow_metrics and link is None:
             self.frontends.append(
-                _metrics_service(settings, metrics_config, self.manager, self.custom_metrics, http_tls)
+                _metrics_service(settings, metrics_config, self.manager, self.custom_metrics, http_tls,
+                                 self.service.paths)
             )
         # A worker's metrics, without the CPU's (the supervisor samples those once for the server).
         self._worker_registry = (
-            build_registry(self.manager, metrics_config, None, self.custom_metrics) if link is not None else None
+            build_registry(self.manager, metrics_config, None, self.custom_metrics, self.service.paths)
+            if link is not None else None
         )
         # With --workers, the supervisor accepts the native servers' connections and hands them over
         # (workers/dispatch.py): their worker frontends bind nothing.
@@ -377,7 +380,7 @@ def _latency_observer_factory(settings: ServerSettings, config: MetricsConfig) -
 
 def _metrics_service(
     settings: ServerSettings, config: MetricsConfig, manager: ModelManager, custom: CustomMetricStore,
-    tls: TlsFiles | None = None,
+    tls: TlsFiles | None = None, paths: dict[str, int] | None = None,
 ) -> MetricsService:
     cpu = CpuSampler() if settings.allow_cpu_metrics else None
     if cpu is not None and not cpu.available:
@@ -385,7 +388,7 @@ def _metrics_service(
         cpu = None
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
     options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms, tls)  # HTTP's TLS
-    registry = build_registry(manager, config, cpu, custom)
+    registry = build_registry(manager, config, cpu, custom, paths)
     if settings.allow_gpu_metrics:
         nvml = load_nvml()  # None without nvidia-ml-py or a driver: then there are no GPU families, as in Triton
         if nvml is not None:

@@ -68,6 +68,10 @@ class ServerSettings:
     """Largest request body accepted, in bytes (Triton's default: 64 MiB)."""
     http_server: str = "native"
     """native: geserve's lean HTTP/1.1 server (default); uvicorn: the same ASGI app on uvicorn."""
+    inference_shortcuts: bool = True
+    """The request path's shortcuts (InferenceService.submit): a request run at once on the loop or queued with a
+    callback instead of in a task, a remembered header's prepare step, HTTP's replayed request heads. Off: every
+    inference takes every step, in a task; the answers are the same (tests compare them), only slower."""
     inline_execution_us: int = 250
     """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
     never)."""

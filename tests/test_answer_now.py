@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,9 +98,10 @@ def _body(inputs: list[dict], binary: bytes = b"") -> tuple[bytes, dict[bytes, b
     return header + binary, headers
 
 
-def test_respond_now_answers_as_respond_does(good_repo: Path) -> None:
-    """The same requests through `respond_now` and `respond`: the same answers (successes and each kind of fault),
-    each counted once in the model's statistics; anything that is not such an inference is left to `respond`."""
+def test_begin_answers_as_respond_does(good_repo: Path) -> None:
+    """The same requests through `begin` (answered at once, the model running on the loop) and `respond` (awaited):
+    the same answers (successes and each kind of fault), each counted once in the model's statistics; anything that
+    is not an inference is left to `respond`."""
     data = np.arange(16, dtype=np.int32).reshape(1, 16)
     binary = {"parameters": {"binary_data_size": 64}, "shape": [1, 16], "datatype": "INT32"}
     cases = {
@@ -121,21 +123,26 @@ def test_respond_now_answers_as_respond_does(good_repo: Path) -> None:
             body, headers = cases["json"]
             path = "/v2/models/simple/infer"
             await frontend.respond("POST", path, headers, body, None, None)  # its first run: typical time known
-            assert frontend.respond_now("GET", "/v2/models/simple", {}, b"", None, None) is None
-            assert frontend.respond_now("POST", "/v2/models/nope/infer", headers, body, None, None) is None
-            assert frontend.respond_now("POST", "/v2/models/simple/stats", headers, body, None, None) is None
+
+            def begin(method: str, path: str, headers: dict[bytes, bytes], body: bytes) -> Any:
+                return frontend.begin(method, path, headers, body, None, None, lambda answer: None)
+
+            assert begin("GET", "/v2/models/simple", {}, b"") is None
+            assert begin("POST", "/v2/models/nope/infer", headers, body)[0] == 404
+            assert begin("POST", "/v2/models/simple/stats", headers, body) is None
+            model = server.service._manager.get("simple")
             for name, (body, headers) in cases.items():
                 for version_path in (path, "/v2/models/simple/versions/1/infer"):
-                    model = server.service.model_now("simple")
-                    assert model is not None
                     before = model.statistics.inference_count
-                    now = frontend.respond_now("POST", version_path, headers, body, None, None)
+                    inline = server.service.paths["inline"]
+                    now = begin("POST", version_path, headers, body)
                     later = await frontend.respond("POST", version_path, headers, body, None, None)
-                    assert now is not None, name
+                    assert isinstance(now, tuple), name
                     assert now[:4] == later[:4], name
+                    assert server.service.paths["inline"] - inline == (2 if now[0] == 200 else 0), name
                     assert model.statistics.inference_count - before == (2 if now[0] == 200 else 0), name
             body, headers = cases["binary"]
-            answer = frontend.respond_now("POST", path, headers, body, None, None)
+            answer = begin("POST", path, headers, body)
             assert answer is not None and answer[0] == 200
             assert json.loads(answer[1])["outputs"][0]["data"] == (2 * data).ravel().tolist()
         finally:

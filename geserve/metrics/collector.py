@@ -8,7 +8,7 @@ Python models create (`custom.CustomMetricStore`), after all of these.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
@@ -76,6 +76,7 @@ SERVER_FAMILY_NAMES = frozenset({
     "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_pending_request_count",
     "nv_model_load_duration_secs", "nv_inference_first_response_histogram_ms", "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes", "ge_batch_size", "ge_model_instances", "ge_model_state",
+    "ge_inference_path_total",
     *(name for name, _, _ in _COUNTS), *(name for name, _, _ in _DURATIONS), *(name for name, _ in _SUMMARIES.values()),
     *(name for _, name, _ in _OPTIONAL_COUNTERS), *(name for name, _, _, _ in _CACHE_COUNTERS),
 })
@@ -241,14 +242,30 @@ def _add_histogram(
     family.add_sample(family.name + "_count", _labels(model), cumulative[-1])
 
 
+class PathCollector:
+    """ge_inference_path_total: how the service's one request path ran each inference (InferenceService.paths): at
+    once on the loop, queued with a callback, or in a task."""
+
+    def __init__(self, paths: Mapping[str, int]) -> None:
+        self._paths = paths
+
+    def collect(self) -> Iterator[Metric]:
+        family = _family("ge_inference_path_total", "Inferences by how the request path ran them", "counter")
+        for path, count in self._paths.items():
+            family.add_sample(family.name, {"path": path}, count)
+        yield family
+
+
 def build_registry(
     manager: ModelManager, config: MetricsConfig, cpu: CpuSampler | None = None,
-    custom: CustomMetricStore | None = None,
+    custom: CustomMetricStore | None = None, paths: Mapping[str, int] | None = None,
 ) -> CollectorRegistry:
     """The server's one registry (never prometheus_client's global one): the inference collector, then the
     custom families of Python models."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(InferenceCollector(manager, config, cpu))
+    if paths is not None:
+        registry.register(PathCollector(paths))
     if custom is not None:
         registry.register(custom)
     return registry

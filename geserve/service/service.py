@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any, NoReturn, cast
@@ -34,11 +34,13 @@ from geserve.errors import (
 from geserve.repository.lifecycle import ModelManager, group_index
 from geserve.repository.model import LoadedModel
 from geserve.scheduling.queue import Pending
-from geserve.scheduling.scheduler import AnswersLater, Submits
+from geserve.scheduling.scheduler import Submits
+from geserve.service import deadlines
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
 from geserve.service.cluster import Cluster
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
+from geserve.service.deadlines import Answer, Watched, Withdraw
 from geserve.service.model_files import DEFAULT_MAX_FILE_BYTES, check_model_name, model_files
 from geserve.service.parameters import apply_parameters
 from geserve.service.raw_input import expand_raw_input
@@ -81,8 +83,9 @@ EXTENSIONS = [
     "trace",
     "logging",
 ]
-# What `model_now` hands a frontend and `infer_now` takes back: frontends see models only through the service.
-ReadyModel = LoadedModel
+# How `submit` ran a request (`InferenceService.paths`, ge_inference_path_total): at once on the loop, queued
+# with a callback, or in a task (anything traced or cached, a scheduler that awaits, or with the shortcuts off).
+_INLINE, _QUEUED, _TASK = "inline", "queued", "task"
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
 # How Triton refuses a decoupled model on a call that can carry one response only.
@@ -111,6 +114,7 @@ class InferenceService:
         model_load_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         response_cache: ResponseCache | None = None,
         cluster: Cluster | None = None,
+        shortcuts: bool = True,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -132,6 +136,10 @@ class InferenceService:
         self._inflight = 0  # inference calls under way, of every transport
         self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
         self.host = ModelHost(self)
+        # Whether `submit` may run a request without a task (`_shortcut`), and how many it ran each way: the switch
+        # (--inference-shortcuts) and the counts that show which path served (ge_inference_path_total).
+        self.shortcuts = shortcuts
+        self.paths = dict.fromkeys((_INLINE, _QUEUED, _TASK), 0)
         # Set by the server once it runs: where calls from other threads (Python models' BLS) are scheduled.
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -273,128 +281,106 @@ class InferenceService:
             # ensemble step) carries the identity of the request it serves, set by whoever made it.
             request.identity = context.caller
 
-    async def infer(self, request: InferenceRequest, context: CallContext = IN_PROCESS) -> InferenceResponse:
-        """One request, one response; a decoupled model is refused (use `infer_stream`)."""
-        self._admit_inference(request, context, "infer")
+    def submit(
+        self, request: InferenceRequest, context: CallContext, answer: Answer, action: str = "infer"
+    ) -> InferenceResponse | Withdraw:
+        """The one way in for an inference with one response, from every frontend and every path: the response when
+        it was answered at once (on the loop), else the call that withdraws the request (its caller went away:
+        counted CANCELED, `answer` never called), `answer` being called with its response or error later. Raises
+        what fails before the model runs (admission, an unknown model, a bad request, a passed deadline).
+
+        The steps, in order: admit, resolve the model, prepare (skipped for a request its frontend made from a
+        remembered header of this very model: `prepared_for`), check the deadline, run, account, place outputs.
+        How it runs is the run step's choice (`_shortcut`, then a task); no frontend chooses it."""
+        model, started = self._checked(request, context, action)
+        outcome = self._shortcut(model, request, context.deadline, started, answer)
+        if outcome is not None:
+            return outcome
+        self.paths[_TASK] += 1
         self._enter()
-        try:
-            model = self._lookup(request)
-            if model.decoupled:
-                raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
-            started = time.monotonic_ns()
-            self._prepare(model, request, context)  # a request the model never sees is no failure of the model's
-            tracer = self.tracer
-            if tracer is None:
-                response = await self._execute(model, request, started)
-            else:
-                frontend = context.transport is not _IN_PROCESS
-                response = await tracer.run(model, request, context, started, self._execute, frontend)
-            self._place_outputs(request, response)
-            return response
-        finally:
-            self._leave()
+        if context.deadline is not None:
+            answer = Watched(answer, request, context.deadline)
+        frontend = action == "infer" and context.transport is not _IN_PROCESS
+        task = asyncio.get_running_loop().create_task(self._traced(model, request, context, started, frontend))
+        task.add_done_callback(partial(self._task_done, model, request, answer))
+        withdraw = partial(_cancel, task)
+        return answer.bind(withdraw) if isinstance(answer, Watched) else withdraw
 
-    def decoupled(self, name: str, version: str = "") -> bool:
-        """Whether the model's transaction policy is decoupled (Triton's TRITONSERVER_ServerModelTransactionProperties),
-        asked when a stream reads a request: a non-decoupled model's response keeps its request's place. False for a
-        model not found, whose error then takes its place, as in Triton."""
-        try:
-            return self._manager.get(name, version).decoupled
-        except GeserveError:
-            return False
-
-    def model_now(self, name: str, version: str = "") -> ReadyModel | None:
-        """The model, when its scheduler would run a request at once on the loop (a short model with a free instance,
-        no batching, no response cache, no trace): `infer_now` then answers without awaiting. Else None."""
-        try:
-            model = self._manager.get(name, version)
-        except GeserveError:  # answered by `infer`, in its order (admission first)
-            return None
-        if self.tracer is not None or model.response_cache or model.decoupled or not model.scheduler.ready_now():
-            return None
-        return model
-
-    def infer_now(
-        self, model: ReadyModel, request: InferenceRequest, context: CallContext, action: str = "infer"
+    async def infer(
+        self, request: InferenceRequest, context: CallContext = IN_PROCESS, action: str = "infer"
     ) -> InferenceResponse:
-        """`infer` (or `infer_stream`'s one response, `action` "infer_stream") for a request of `model` from
-        `model_now`, nothing awaited since: the same checks, statistics and errors, without the coroutines and task
-        hops."""
+        """`submit`, awaited: for callers that are coroutines (the in-process API, models' BLS calls and ensemble
+        steps, an ASGI host, grpc.aio). A cancelled caller withdraws its request."""
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        outcome = self.submit(request, context, partial(_settle, future), action)
+        if isinstance(outcome, InferenceResponse):
+            return outcome
+        try:
+            return await future
+        except asyncio.CancelledError:
+            outcome()
+            raise
+
+    def _checked(self, request: InferenceRequest, context: CallContext, action: str) -> tuple[LoadedModel, int]:
+        """Admit, resolve and prepare `request`, and check its deadline: its model and when it started."""
         self._admit_inference(request, context, action)
+        model = self._lookup(request)
+        if model.decoupled and action == "infer":
+            raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
+        started = time.monotonic_ns()
+        prepared = request.prepared
+        if prepared is not None and prepared.model is model and self.shortcuts:
+            if prepared.order is not None:
+                request.inputs = [request.inputs[i] for i in prepared.order]
+            request.batch_size = prepared.batch_size
+        else:  # a request the model never sees is no failure of the model's
+            self._prepare(model, request, context)
+            request.checked_by = model
+        deadlines.check(context.deadline)
+        return model, started
+
+    def _shortcut(
+        self, model: LoadedModel, request: InferenceRequest, deadline: float | None, started: int, answer: Answer
+    ) -> InferenceResponse | Withdraw | None:
+        """The run step without a task, where nothing needs one (no tracer, no response cache): the response of a
+        model whose scheduler runs it now, on the loop; or the withdrawal of a request its scheduler queued with a
+        callback. None, having done nothing, where a task must run it (or the shortcuts are off)."""
+        if not self.shortcuts or self.tracer is not None or model.response_cache:
+            return None
+        scheduler = model.scheduler
+        if scheduler.ready_now():
+            self.paths[_INLINE] += 1
+            return self._run_now(model, request, started)
+        submit = getattr(scheduler, "submit", None)
+        if submit is None:
+            return None
+        watched = Watched(answer, request, deadline) if deadline is not None else None
+        done = partial(self._finished, model, request, started, watched or answer)
+        try:
+            pending = submit(request, done)
+        except Exception as exc:  # a refusal (a full queue): counted as `_run` counts it
+            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            raise
+        if pending is None:
+            return None
+        self.paths[_QUEUED] += 1
+        self._enter()
+        withdraw = partial(self._withdraw, cast(Submits, scheduler), pending, model, request, started)
+        return withdraw if watched is None else watched.bind(withdraw)
+
+    def _run_now(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
         self._enter()
         try:
-            started = time.monotonic_ns()
-            self._prepare(model, request, context)
-            response = self._answered_now(model, request, started)
-            self._place_outputs(request, response)
-            return response
-        finally:
-            self._leave()
-
-    @staticmethod
-    def _answered_now(model: ReadyModel, request: InferenceRequest, started: int) -> InferenceResponse:
-        try:
-            return InferenceService._succeeded(model, request, model.scheduler.answer_now(request), started)
+            response = self._succeeded(model, request, model.scheduler.answer_now(request), started)
         except Exception as exc:  # as in `_run`
             model.statistics.record_failure(time.monotonic_ns() - started, exc)
             raise
-
-    def model_soon(self, name: str, version: str = "") -> ReadyModel | None:
-        """The model, when a frontend may hand it requests it prepared itself (`infer_soon`, `infer_prepared_now`):
-        its scheduler queues requests without a coroutine (`submit`) or may run them at once (`ready_now`), and no
-        call policy, tracer, response cache or decoupled transaction concerns them. Else None."""
-        if self.policies or self.tracer is not None:
-            return None
-        try:
-            model = self._manager.get(name, version)
-        except GeserveError:
-            return None
-        scheduler = model.scheduler
-        if model.response_cache or model.decoupled or not (
-            hasattr(scheduler, "submit") or not isinstance(scheduler, AnswersLater)
-        ):
-            return None
-        return model
-
-    def infer_prepared_now(self, model: ReadyModel, request: InferenceRequest) -> InferenceResponse | None:
-        """`infer_now` for a request prepared as `infer_soon`'s are, when the model's scheduler runs it at once;
-        None, having done nothing, when it would not (or the server is draining): `infer` must."""
-        if not self.accepting or not model.scheduler.ready_now():
-            return None
-        self._enter()
-        try:
-            return self._answered_now(model, request, time.monotonic_ns())
         finally:
             self._leave()
+        self._place_outputs(request, response)
+        return response
 
-    def prepare_soon(self, model: ReadyModel, request: InferenceRequest) -> None:
-        """What `infer` checks of an HTTP request once its model is known (raises its error), for a frontend that
-        prepares the requests it hands `infer_soon` from one it checked here."""
-        self._prepare(model, request, _HTTP_CONTEXT)
-
-    def infer_soon(
-        self, model: LoadedModel, request: InferenceRequest, answer: Callable[[InferenceResponse | Exception], None]
-    ) -> Callable[[], None] | None:
-        """`infer` without a coroutine, for a request a frontend already prepared for `model` as `infer` would
-        (HTTP's express lane: the same header bytes were decoded and checked before) and that no policy, tracer,
-        response cache or sequence concerns. The model's scheduler queues it (`submit`) and `answer` is called with
-        its response or its error, counted as `infer` counts them; the returned call withdraws it (the client went
-        away: counted CANCELED, `answer` never called). None, having done nothing, where `infer` must run it: the
-        server is draining, the scheduler would run it at once, or it refused it (`infer` gives the refusal)."""
-        if not self.accepting:
-            return None
-        scheduler = cast(Submits, model.scheduler)  # `model_soon` found it so
-        started = time.monotonic_ns()
-        try:
-            pending = scheduler.submit(request, partial(self._answer_soon, model, request, started, answer))
-        except GeserveError:
-            return None
-        if pending is None:
-            return None
-        self._enter()
-        return partial(self._withdraw_soon, scheduler, pending, model, request, started)
-
-    def _withdraw_soon(
+    def _withdraw(
         self, scheduler: Submits, pending: Pending, model: LoadedModel, request: InferenceRequest, started: int
     ) -> None:
         if scheduler.withdraw(pending):
@@ -402,48 +388,77 @@ class InferenceService:
             request.cancelled = True
             model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
 
-    def _answer_soon(
-        self, model: LoadedModel, request: InferenceRequest, started: int,
-        answer: Callable[[InferenceResponse | Exception], None], result: InferenceResponse | BaseException,
+    def _finished(
+        self, model: LoadedModel, request: InferenceRequest, started: int, answer: Answer,
+        result: InferenceResponse | BaseException,
     ) -> None:
-        """Called by the scheduler as the request's batch completes: counted as `infer` counts it, then answered.
+        """Called by the scheduler as a queued request's batch completes: counted as `_run` counts it, then answered.
         Raises nothing (the other requests of the batch are answered after it)."""
         self._leave()
-        outcome: InferenceResponse | Exception
+        if request.cancelled and not isinstance(result, BaseException):  # its deadline passed while it ran
+            result = _CANCELLED
         try:
             if isinstance(result, BaseException):
-                outcome = result if isinstance(result, Exception) else InternalError(f"execution failed: {result!r}")
-                model.statistics.record_failure(time.monotonic_ns() - started, outcome)
+                error = result if isinstance(result, Exception) else InternalError(f"execution failed: {result!r}")
+                model.statistics.record_failure(time.monotonic_ns() - started, error)
+                outcome: InferenceResponse | Exception = error
             else:
                 outcome = self._succeeded(model, request, result, started)
-        except Exception as exc:  # as in `_run`
-            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+                self._place_outputs(request, outcome)
+        except Exception as exc:
             outcome = exc
+        _deliver(answer, outcome, model.name)
+
+    def _task_done(
+        self, model: LoadedModel, request: InferenceRequest, answer: Answer, task: asyncio.Task[InferenceResponse]
+    ) -> None:
+        self._leave()
+        if task.cancelled():  # withdrawn: counted CANCELED by `_execute`, and nobody to answer
+            return
+        error = task.exception()
+        outcome: InferenceResponse | Exception
+        if error is None:
+            outcome = task.result()
+            try:
+                self._place_outputs(request, outcome)
+            except Exception as exc:
+                outcome = exc
+        else:
+            outcome = error if isinstance(error, Exception) else InternalError(f"execution failed: {error!r}")
+        _deliver(answer, outcome, model.name)
+
+    async def _traced(
+        self, model: LoadedModel, request: InferenceRequest, context: CallContext, started: int, frontend: bool
+    ) -> InferenceResponse:
+        tracer = self.tracer
+        if tracer is None:
+            return await self._execute(model, request, started)
+        return await tracer.run(model, request, context, started, self._execute, frontend)
+
+    def decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the model's transaction policy is decoupled (Triton's TRITONSERVER_ServerModelTransactionProperties),
+        asked when a stream reads a request: a decoupled model's responses are streamed (`infer_stream`), any other's
+        one response is `submit`'s and keeps its request's place. False for a model not found, whose error then takes
+        its place, as in Triton."""
         try:
-            answer(outcome)
-        except Exception:
-            logger.exception("answering an inference of model '%s' failed", model.name)
+            return self._manager.get(name, version).decoupled
+        except GeserveError:
+            return False
 
     async def infer_stream(
         self, request: InferenceRequest, context: CallContext = IN_PROCESS
     ) -> AsyncGenerator[StreamResponse, None]:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
-        model, one otherwise. Faults found before the model runs are raised; later ones come as items."""
+        model, one otherwise (`submit`'s). Faults found before the model runs are raised; later ones come as items."""
+        if not self.decoupled(request.model_name, request.model_version):
+            yield StreamResponse(await self.infer(request, context, "infer_stream"), final=True)
+            return
         self._admit_inference(request, context, "infer_stream")
         self._enter()
         try:
             model = self._lookup(request)
             started = time.monotonic_ns()
             self._prepare(model, request, context)
-            if not model.decoupled:
-                tracer = self.tracer
-                if tracer is None:
-                    response = await self._execute(model, request, started)
-                else:  # a stream's responses carry no frontend times: the trace ends with the request
-                    response = await tracer.run(model, request, context, started, self._execute, False)
-                self._place_outputs(request, response)
-                yield StreamResponse(response, final=True)
-                return
             responses = self._decoupled_responses(model, request, started)
             try:
                 async for item in responses:
@@ -560,6 +575,7 @@ class InferenceService:
         None when this server runs one process, or no worker holds it."""
         if self.cluster is None or request.stream is not None:
             return None
+        request.checked_by = request.prepared = None  # this process's model objects: the request travels without
         return await self.cluster.forward_sequence(request)
 
     async def run_forwarded(self, request: InferenceRequest) -> InferenceResponse | None:
@@ -830,6 +846,27 @@ class ModelHost:
 
     def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
         return self._service.infer_stream(request, IN_PROCESS)
+
+
+def _cancel(task: asyncio.Task[InferenceResponse]) -> None:
+    task.cancel()
+
+
+def _settle(future: asyncio.Future[InferenceResponse], outcome: InferenceResponse | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _deliver(answer: Answer, outcome: InferenceResponse | Exception, model: str) -> None:
+    """Hand a request's outcome to its caller; a caller that raises is logged (a batch's other answers go on)."""
+    try:
+        answer(outcome)
+    except Exception:
+        logger.exception("answering an inference of model '%s' failed", model)
 
 
 def _fail_unfinished(stream: ResponseStream, execution: asyncio.Future[InferenceResponse]) -> None:

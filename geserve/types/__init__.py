@@ -1,7 +1,7 @@
 """Core value types shared by every layer: datatypes, tensors, requests and responses."""
 
 from geserve.types.datatypes import BY_CONFIG, BY_WIRE, DataType, from_numpy
-from geserve.types.requests import ComputeTimes, InferenceRequest, id_prefix
+from geserve.types.requests import ComputeTimes, InferenceRequest, Prepared, id_prefix
 from geserve.types.tensors import InferenceResponse, InputTensor, OutputTensor, RequestedOutput, ShmLocation, Tensor
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "InferenceResponse",
     "InputTensor",
     "OutputTensor",
+    "Prepared",
     "RequestedOutput",
     "ShmLocation",
     "Tensor",

@@ -16,6 +16,16 @@ def id_prefix(request_id: str) -> str:
     return f"[request id: {request_id or '<id_unknown>'}] "
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What the service's prepare step made of a request, to apply to the next one with the same header: its
+    inputs' order (where each of the model's inputs is among the header's; None: the same) and batch size."""
+
+    model: object
+    order: tuple[int, ...] | None
+    batch_size: int
+
+
 @dataclass(slots=True)
 class ComputeTimes:
     """Compute time of executions, in Triton's three phases (ns)."""
@@ -88,3 +98,9 @@ class InferenceRequest:
     # Set by the service on a request it traces (--trace-config, the trace settings); an ensemble's steps get a child
     # of their ensemble's. The scheduler reports the execution the request ran in there.
     trace: RequestTrace | None = None
+    # A remembered header makes the service's prepare step a memo: `checked_by` is set by the service to the model
+    # (its loaded object) it prepared this request for; a frontend that makes a request from the header of one so
+    # prepared sets `prepared`, and the service then only applies it, for that same model object (a reload is a new
+    # object, and prepares again).
+    checked_by: object | None = None
+    prepared: Prepared | None = None

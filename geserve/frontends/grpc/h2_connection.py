@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import struct
 import time
@@ -38,7 +39,7 @@ else:
     Method = grpc.RpcMethodHandler
 # A unary method's handler that may answer without a task: the response message, an error status (code, details),
 # or None to be served by the method's own handler as usual.
-AnswerNow = Callable[[Any, Any], Any]  # (request, the call as its servicer context)
+Begin = Callable[[Any, Any, Callable[[Any], None]], Any]  # (request, the call as its servicer context, deliver)
 Header = tuple[bytes, bytes]
 
 # What the client may send ahead of our acknowledgements: large, as grpc's BDP probing grows its windows, so that a
@@ -225,10 +226,10 @@ class GrpcH2Connection(asyncio.Protocol):
 
     def __init__(self, options: GrpcOptions, resolve: Callable[[bytes | None], Method | None],
                  connections: set[GrpcH2Connection],
-                 answer_now: Callable[[bytes | None], AnswerNow | None] = lambda path: None) -> None:
+                 begin: Callable[[bytes | None], Begin | None] = lambda path: None) -> None:
         self.loop = asyncio.get_running_loop()
         self.resolve = resolve
-        self.answer_now = answer_now
+        self.begin = begin
         self.connections = connections
         self.max_receive = options.max_message_size
         self.max_send = options.max_message_size
@@ -359,7 +360,7 @@ class GrpcH2Connection(asyncio.Protocol):
             deadline = time.monotonic() + seconds
         call = H2Call(self, sid, method, headers, deadline, None if encoding == b"identity" else encoding)
         self.calls[sid] = call
-        call.now = self.answer_now(path)
+        call.now = self.begin(path)
         if method.request_streaming:
             call.inbox = collections.deque()
             call.task = self.loop.create_task(self._serve(call, call.requests()))
@@ -416,30 +417,40 @@ class GrpcH2Connection(asyncio.Protocol):
             return
         parse = call.method.request_deserializer
         request = parse(message) if parse is not None else message
-        if call.now is None or not self._answer_now(call, call.now, request):
+        if call.now is None or not self._begin(call, call.now, request):
             call.task = self.loop.create_task(self._serve(call, request))
 
-    def _answer_now(self, call: H2Call, answer_now: AnswerNow, request: Any) -> bool:
-        """A unary call its handler answers without a task (AnswerNow), answered here; False: left to `_serve`."""
-        answer = answer_now(request, call)
+    def _begin(self, call: H2Call, begin: Begin, request: Any) -> bool:
+        """A unary call its handler starts without a task (Begin): answered here, now or when it delivers (the
+        handler returned the call that withdraws it); False: left to `_serve`."""
+        answer = begin(request, call, functools.partial(self._answered, call))
         if answer is None:
             return False
+        if isinstance(answer, tuple) or not callable(answer):
+            self._answered(call, answer)
+        else:
+            call.withdraw = answer
+        return True
+
+    def _answered(self, call: H2Call, answer: Any) -> None:
+        """A unary call's response message, or its status (code, details), sent now."""
+        if call.done:  # reset by the client, or the server stopped it
+            return
+        call.withdraw = None
         if isinstance(answer, tuple):
             self._finish(call, *answer)
         else:
             payload = call.method.response_serializer(answer) if call.method.response_serializer else answer
             if not self._respond(call, payload):  # the windows are short: sent in parts, by a task
                 call.task = self.loop.create_task(self._serve_answer(call, payload))
-                return True
+                return
         self._forget(call)
-        return True
 
     def _on_reset(self, sid: int) -> None:
         call = self.calls.pop(sid, None)
         if call is not None:
             call.reset = call.done = True
-            if call.task is not None:
-                call.task.cancel()
+            call.stop()
         if self.closing and not self.calls:
             self.close()
 
@@ -475,7 +486,7 @@ class GrpcH2Connection(asyncio.Protocol):
             self._forget(call)
 
     async def _serve_answer(self, call: H2Call, payload: bytes) -> None:
-        """A unary answer `_answer_now` could not send at once: sent as the windows open."""
+        """A unary answer `_answered` could not send at once: sent as the windows open."""
         try:
             await self.send_message(call, payload)
             self._finish(call, grpc.StatusCode.OK, "")
@@ -596,8 +607,7 @@ class GrpcH2Connection(asyncio.Protocol):
         self.calls.clear()
         for call in calls:
             call.reset = call.done = True
-            if call.task is not None:
-                call.task.cancel()
+            call.stop()
 
     # ---- flow control ---------------------------------------------------------------------------------
 
@@ -731,6 +741,7 @@ class GrpcH2Connection(asyncio.Protocol):
             if call.task is not None:
                 call.task.cancel()
             else:
+                call.stop()
                 self._finish(call, *_STATUS_SERVER_STOPPING)
                 self.calls.pop(call.stream_id, None)
 

@@ -60,7 +60,7 @@ class H2Call:
     __slots__ = ("_metadata", "buffer", "code", "connection", "deadline", "details", "done", "encoding", "headers",
                  "headers_sent", "inbox", "inbox_waiter", "method", "now", "on_message", "request", "request_ended",
                  "reset", "stream_id",
-                 "task", "unacked", "window_waiter")
+                 "task", "unacked", "window_waiter", "withdraw")
 
     def __init__(self, connection: Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
                  headers: list[tuple[bytes, bytes]], deadline: float | None, encoding: bytes | None) -> None:
@@ -77,7 +77,8 @@ class H2Call:
         self.inbox_waiter: asyncio.Future[None] | None = None
         # A streaming handler's way to take each request as it arrives (`answer_messages_now`), parsed.
         self.on_message: Callable[[Any], bool] | None = None
-        self.now: Callable[[Any, H2Call], Any] | None = None  # the unary method's AnswerNow (h2_connection.py)
+        self.now: Callable[[Any, H2Call, Callable[[Any], None]], Any] | None = None  # the unary method's Begin
+        self.withdraw: Callable[[], None] | None = None  # withdraws the request Begin started (h2_connection.py)
         self.request: bytes | None = None  # a unary call's request message, until its stream ends
         self.unacked = 0  # flow-controlled bytes received but not yet handed back (a slow streaming reader)
         self.request_ended = False
@@ -177,6 +178,15 @@ class H2Call:
         return self.inbox is not None and len(self.inbox) >= _INBOX_LIMIT
 
     # ---- the servicer context -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """The call ends unanswered (reset by its client, or the server stopping): its handler's task is cancelled,
+        or the request its Begin started is withdrawn."""
+        if self.task is not None:
+            self.task.cancel()
+        elif self.withdraw is not None:
+            withdraw, self.withdraw = self.withdraw, None
+            withdraw()
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from geserve.frontends.grpc.h2_connection import AnswerNow, GrpcH2Connection, Method
+from geserve.frontends.grpc.h2_connection import Begin, GrpcH2Connection, Method
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.server import (
     GrpcInferenceServicer,
@@ -51,13 +51,13 @@ class MethodTable:
     """Method path -> its handler, asked of the generic handlers once per path and kept (unknown paths are not
     kept: a client could make up any number of them)."""
 
-    def __init__(self, handlers: tuple[grpc.GenericRpcHandler, ...], now: dict[str, AnswerNow] | None = None) -> None:
-        """`now`: for some unary methods, a handler that may answer without a task (h2_connection.AnswerNow)."""
+    def __init__(self, handlers: tuple[grpc.GenericRpcHandler, ...], now: dict[str, Begin] | None = None) -> None:
+        """`now`: for some unary methods, a handler that starts a call without a task (h2_connection.Begin)."""
         self._handlers = handlers
         self._known: dict[bytes, Method] = {}
         self._now = {path.encode("ascii"): handler for path, handler in (now or {}).items()}
 
-    def answer_now(self, path: bytes | None) -> AnswerNow | None:
+    def begin(self, path: bytes | None) -> Begin | None:
         return self._now.get(path) if path is not None else None
 
     def resolve(self, path: bytes | None) -> Method | None:
@@ -104,12 +104,12 @@ class NativeGrpcServer:
         servicer = GrpcInferenceServicer(self._service)
         health = HealthService(lambda context: self._service.ready(call_context(context)))
         methods = MethodTable((inference_handler(servicer), health.handler()),
-                              {"/inference.GRPCInferenceService/ModelInfer": servicer.infer_now})
+                              {"/inference.GRPCInferenceService/ModelInfer": servicer.begin})
         options, connections = self.options, self._connections
         loop = asyncio.get_running_loop()
 
         def connection() -> GrpcH2Connection:
-            return GrpcH2Connection(options, methods.resolve, connections, methods.answer_now)
+            return GrpcH2Connection(options, methods.resolve, connections, methods.begin)
 
         self._factory = connection
         if self._adopting:

@@ -17,11 +17,11 @@ from tritonclient.grpc import service_pb2_grpc
 from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
-from geserve.frontends.grpc.status import GRPC_STATUS
-from geserve.frontends.grpc.stream_order import InOrder
+from geserve.frontends.grpc.status import GRPC_STATUS, grpc_status
+from geserve.frontends.grpc.stream_order import InOrder, Outstanding
 from geserve.frontends.tls import GrpcTls, TlsEndpoint, TlsFiles, grpc_peer_subject
 from geserve.service.context import ApiGroup, CallContext, Transport
-from geserve.service.service import InferenceService, ReadyModel
+from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,10 @@ def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[M
             if type(request) is convert.Unparsable:
                 raise request.error()
             return await method(self, request, context)
-        except GeserveError as exc:
-            await context.abort(GRPC_STATUS[exc.code], exc.message)
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            logger.exception("unhandled error serving %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+            await context.abort(*grpc_status(exc))
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
@@ -178,53 +175,76 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        """grpc.aio's ModelInfer (the native server calls `begin`): the same steps, awaited."""
         call = call_context(context)
-        # Admitted before its tensors are decoded: a caller who may not infer costs no decoding (and once only).
-        self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)
-        traced = self._service.tracer is not None  # gRPC read the message before this runs: the decoding is timed
-        read_start = time.monotonic_ns() if traced else 0
-        decoded = self._decode(request)
-        if traced:
-            call.trace_marks = [("GRPC_WAITREAD_START", read_start), ("GRPC_WAITREAD_END", time.monotonic_ns())]
-        response = await self._service.infer(decoded.request, call)
+        decoded = self._decoded(request, call)
+        return self._encoded(await self._service.infer(decoded, call), decoded, call)
+
+    def begin(
+        self, message: pb.ModelInferRequest, context: Any, deliver: Callable[[Any], None]
+    ) -> pb.ModelInferResponse | tuple[grpc.StatusCode, str] | Callable[[], None]:
+        """ModelInfer without a task (h2_connection's Begin): the response, or the status of its refusal, when the
+        service answered at once; else the call that withdraws it, `deliver` getting its response or status later."""
+        call = call_context(context)
+        request = None
+        try:
+            if type(message) is convert.Unparsable:
+                raise message.error()
+            request = self._decoded(message, call)
+            outcome = self._service.submit(request, call, functools.partial(self._delivered, deliver, request, call))
+            if not isinstance(outcome, InferenceResponse):
+                return outcome
+            return self._encoded(outcome, request, call)
+        except Exception as exc:
+            return grpc_status(exc)
+
+    def _delivered(
+        self, deliver: Callable[[Any], None], request: InferenceRequest, call: CallContext,
+        outcome: InferenceResponse | Exception,
+    ) -> None:
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            deliver(self._encoded(outcome, request, call))
+        except Exception as exc:
+            deliver(grpc_status(exc))
+
+    def _decoded(self, message: pb.ModelInferRequest, call: CallContext) -> InferenceRequest:
+        """The request, admitted before its tensors are decoded: a caller who may not infer costs no decoding (and
+        is admitted once). gRPC read the message before: a traced request's read is its decoding."""
+        self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", message.model_name)
+        if self._service.tracer is None:
+            return self._decode(message).request
+        read_start = time.monotonic_ns()
+        request = self._decode(message).request
+        call.trace_marks = [("GRPC_WAITREAD_START", read_start), ("GRPC_WAITREAD_END", time.monotonic_ns())]
+        return request
+
+    @staticmethod
+    def _stream_item(
+        outcome: InferenceResponse | Exception, request: InferenceRequest, message_id: str,
+        failure: Callable[[GeserveError, str], Any],
+    ) -> Any:
+        """A non-decoupled model's one response on a stream, or its failure as the stream reports failures."""
+        if isinstance(outcome, InferenceResponse):
+            try:
+                return convert.to_stream_response(outcome, request, True)
+            except Exception as exc:  # an output the encoder refuses
+                outcome = exc
+        if not isinstance(outcome, GeserveError):
+            logger.error("unhandled error serving a streamed request", exc_info=outcome)
+            outcome = InternalError(f"internal error: {outcome}")
+        return failure(outcome, message_id)
+
+    @staticmethod
+    def _encoded(response: InferenceResponse, request: InferenceRequest, call: CallContext) -> pb.ModelInferResponse:
         trace = call.trace  # set only on a request the service traced
         if trace is None:
-            return convert.to_model_infer_response(response, decoded.request)
+            return convert.to_model_infer_response(response, request)
         trace.mark("GRPC_SEND_START")  # the encoding; gRPC writes the message after this returns
-        message = convert.to_model_infer_response(response, decoded.request)
+        message = convert.to_model_infer_response(response, request)
         trace.finish("GRPC_SEND_END")
         return message
-
-    def _model_now(self, message: pb.ModelInferRequest) -> ReadyModel | None:
-        """The model, when a request of it is answered without a task (InferenceService.model_now); None for any
-        other (an unparsable message, or a version that is no number, which `_decode` reports)."""
-        if type(message) is convert.Unparsable:
-            return None
-        version = message.model_version
-        if version and not version.isdigit():
-            return None
-        return self._service.model_now(message.model_name, version)
-
-    def infer_now(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ModelInferResponse | tuple[grpc.StatusCode, str] | None:
-        """`ModelInfer` without a task, for a request its model answers at once (InferenceService.model_now): the
-        response, or the status of its refusal; None, having done nothing, for any other request (h2_connection's
-        AnswerNow)."""
-        model = self._model_now(request)
-        if model is None:
-            return None
-        call = call_context(context)
-        try:
-            self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", request.model_name)  # as `ModelInfer`
-            decoded = self._decode(request)
-            response = self._service.infer_now(model, decoded.request, call)
-            return convert.to_model_infer_response(response, decoded.request)
-        except GeserveError as exc:
-            return GRPC_STATUS[exc.code], exc.message
-        except Exception as exc:
-            logger.exception("unhandled error serving ModelInfer")
-            return grpc.StatusCode.INTERNAL, f"internal error: {exc}"
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext[Any, Any]
@@ -261,23 +281,35 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         order = InOrder(out)
 
-        def answer_now(message: pb.ModelInferRequest) -> bool:
-            """A request its model answers at once (InferenceService.model_now) is answered here, without a task
-            or the stream generator; False: it was left alone."""
-            model = self._model_now(message)
-            if model is None:
-                return False
-            request = self._decode(message).request
+        outstanding = Outstanding()
+
+        def settled(
+            turn: int, message_id: str, request: InferenceRequest, outcome: InferenceResponse | Exception
+        ) -> None:
+            outstanding.settled(turn)
+            order.done(turn, [self._stream_item(outcome, request, message_id, failure)])
+
+        def start(message: pb.ModelInferRequest) -> bool:
+            """A non-decoupled model's request, started as it is read (`submit`, without a task): its one response
+            takes its request's turn. False, having done nothing, for a decoupled model's (Triton asks the model's
+            transaction policy as it reads the request: an unknown model's error keeps its place too)."""
+            if type(message) is convert.Unparsable or self._service.decoupled(message.model_name,
+                                                                             message.model_version):
+                return False  # an unparsable message is answered as the stream reads it
+            turn = order.turn()
+            request = InferenceRequest(message.model_name, "", [])
+            outcome: InferenceResponse | Callable[[], None] | Exception
             try:
-                response = self._service.infer_now(model, request, call, "infer_stream")
-            except GeserveError as exc:
-                item = failure(exc, message.id)
+                request = self._decode(message).request
+                outcome = self._service.submit(
+                    request, call, functools.partial(settled, turn, message.id, request), "infer_stream"
+                )
             except Exception as exc:
-                logger.exception("unhandled error serving a streamed request")
-                item = failure(InternalError(f"internal error: {exc}"), message.id)
+                outcome = exc
+            if callable(outcome) and not isinstance(outcome, InferenceResponse):
+                outstanding.add(turn, outcome)
             else:
-                item = convert.to_stream_response(response, request, True)
-            order.now(item)  # model_now never gives a decoupled model
+                order.done(turn, [self._stream_item(outcome, request, message.id, failure)])
             return True
 
         async def answer(message: pb.ModelInferRequest, emit: Callable[[Any], None]) -> None:
@@ -298,16 +330,9 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 logger.exception("unhandled error serving a streamed request")
                 emit(failure(InternalError(f"internal error: {exc}"), message.id))
 
-        async def answer_in_turn(message: pb.ModelInferRequest, turn: int) -> None:
-            items: list[Any] = []
-            try:
-                await answer(message, items.append)
-            finally:  # however it ends (cancelled too): a turn never given up would hold back every later response
-                order.done(turn, items)
-
         answer_messages_now = getattr(context, "answer_messages_now", None)  # the native server's, as they arrive
         if answer_messages_now is not None:
-            answer_messages_now(answer_now)
+            answer_messages_now(start)
 
         async def read() -> None:
             try:
@@ -315,20 +340,16 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if type(message) is convert.Unparsable:  # answered like any refused request; the stream goes on
                         order.now(failure(message.error(), ""))
                         continue
-                    if answer_now(message):
+                    if start(message):
                         continue
-                    # Triton asks the model's transaction policy as it reads the request: an unknown model's error
-                    # keeps its place too.
-                    if self._service.decoupled(message.model_name, message.model_version):
-                        work = answer(message, out)
-                    else:
-                        work = answer_in_turn(message, order.turn())
-                    task = asyncio.create_task(work)
+                    task = asyncio.create_task(answer(message, out))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
+                await outstanding.wait()
             finally:
+                outstanding.withdraw()
                 queue.put_nowait(_END)
 
         reader = asyncio.create_task(read())

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
-from geserve.errors import ErrorCode
+from geserve.errors import ErrorCode, GeserveError
+
+logger = logging.getLogger(__name__)
 
 GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
@@ -16,4 +20,14 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
     ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """A failed call's status and details, for every path of both transports: a GeserveError by its code, anything
+    else INTERNAL (a bug: logged)."""
+    if isinstance(exc, GeserveError):
+        return GRPC_STATUS[exc.code], exc.message
+    logger.error("grpc: unhandled error serving a call", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {exc}"

@@ -9,6 +9,7 @@ of its turn waits, in a small dict keyed by turn.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -58,3 +59,32 @@ class InOrder:
         for item in items:
             out(item)
         self._next += 1
+
+
+class Outstanding:
+    """A stream's requests started without a task (InferenceService.submit) whose answers are still to come, by turn:
+    the stream ends once they are answered (`wait`), and withdraws them if it ends first (cancelled)."""
+
+    __slots__ = ("_idle", "_withdrawals")
+
+    def __init__(self) -> None:
+        self._withdrawals: dict[int, Callable[[], None]] = {}
+        self._idle: asyncio.Future[None] | None = None
+
+    def add(self, turn: int, withdraw: Callable[[], None]) -> None:
+        self._withdrawals[turn] = withdraw
+
+    def settled(self, turn: int) -> None:
+        self._withdrawals.pop(turn, None)
+        if not self._withdrawals and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    async def wait(self) -> None:
+        if self._withdrawals:
+            self._idle = asyncio.get_running_loop().create_future()
+            await self._idle
+
+    def withdraw(self) -> None:
+        withdrawals, self._withdrawals = self._withdrawals, {}
+        for withdraw in withdrawals.values():
+            withdraw()

@@ -7,6 +7,7 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from functools import partial
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -38,11 +39,11 @@ from geserve.frontends.http.codec import (
     load_json,
     parse_json,
     refuse_deep_json,
+    remember_prepared,
 )
-from geserve.frontends.http.express import ExpressLane, infer_target
 from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.service import InferenceService
-from geserve.types import InferenceRequest
+from geserve.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class HttpFrontend:
     def __init__(self, service: InferenceService, max_input_size: int) -> None:
         self._service = service
         self._max_input_size = max_input_size
-        self.lane = ExpressLane(service, max_input_size)
+        self.shortcuts = service.shortcuts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry (uvicorn); the native server calls `respond` without the ASGI messages."""
@@ -373,6 +374,44 @@ class HttpFrontend:
         self, path: str, name: str, version: str, source: BodySource, headers: dict[bytes, bytes],
         context: CallContext,
     ) -> Response:
+        """The inference route, for a request `begin` did not take (ASGI's, or one pipelined behind another's answer):
+        the same steps, awaited."""
+        request = InferenceRequest(name, version, [])
+        try:
+            request, body = await self._received(name, version, source, headers, context)
+            response = await self._service.infer(request, context)
+        except Exception as exc:
+            return _failed(exc, request, path)
+        return _answer(response, request, headers, body)
+
+    def begin(
+        self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, client: tuple[str, int] | None,
+        extensions: dict[str, Any] | None, deliver: Callable[[Answer], None],
+    ) -> Answer | Callable[[], None] | None:
+        """An inference request, read whole, started without a task: its answer when the service answered it at once
+        (a model that runs it on the loop, or any failure), else the call that withdraws it, its answer coming through
+        `deliver`. None, having done nothing, for any other request: await `respond`."""
+        target = infer_target(path) if method == "POST" else None
+        if target is None:
+            return None
+        context = _context(client, headers, extensions)
+        request = InferenceRequest(*target, [])
+        try:
+            request, body = self._received_now(*target, body, headers, context)
+            outcome = self._service.submit(
+                request, context, partial(_delivered, deliver, path, request, headers, body, context)
+            )
+        except Exception as exc:
+            return *_failed(exc, request, path), None
+        if isinstance(outcome, InferenceResponse):
+            return *_answer(outcome, request, headers, body), context.trace
+        return outcome
+
+    async def _received(
+        self, name: str, version: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
+    ) -> tuple[InferenceRequest, bytes]:
+        if isinstance(source, bytes):
+            return self._received_now(name, version, source, headers, context)
         # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
         # does not admit the call again; the faults of the body still come after the model's lookup.
         self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
@@ -383,61 +422,25 @@ class HttpFrontend:
             body = await self._read_body(source, headers)
             if traced:
                 context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
-            request = self._decode(name, version, body, headers)
+            return self._decode(name, version, body, headers), body
         except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body
-            request = InferenceRequest(name, version, [], fault=exc)
-        try:
-            response = await self._service.infer(request, context)
-        except UnknownModelError as exc:  # a body left unread past the size limit cannot be skipped: close
-            extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
-            return 404, error_body(exc.message), TEXT, extra
-        answer = infer_response(response, request, headers)
-        if isinstance(source, bytes):  # the native server's, which takes the lane
-            self.lane.learn(path, headers, body)
-        return answer
+            return InferenceRequest(name, version, [], fault=exc), body
 
-    def respond_soon(
-        self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, client: tuple[str, int] | None,
-        extensions: dict[str, Any] | None, deliver: Callable[[Answer], None],
-    ) -> Callable[[], None] | None:
-        """The express lane (express.py) for a request it knows: queued, and answered later through `deliver`; the
-        returned call withdraws it. None, having done nothing, for any other request: await `respond`."""
-        if method != "POST" or extensions is not None:  # HTTPS: the caller's certificate is the routed path's
-            return None
-        return self.lane.submit(path, headers, body, deliver)
-
-    def respond_now(
-        self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, client: tuple[str, int] | None,
-        extensions: dict[str, Any] | None,
-    ) -> Answer | None:
-        """`respond` without awaiting, for an inference request whose model answers at once (see
-        InferenceService.infer_now); None, having done nothing, for any other request: await `respond`."""
-        target = infer_target(path) if method == "POST" else None
-        if target is None:
-            return None
-        if extensions is None:  # HTTPS: the caller's certificate is the routed path's
-            answer = self.lane.answer_now(path, headers, body)
-            if answer is not None:
-                return answer
-        name, version = target
-        model = self._service.model_now(name, version)
-        if model is None:
-            return None
-        context = _context(client, headers, extensions)
+    def _received_now(
+        self, name: str, version: str, body: bytes, headers: dict[bytes, bytes], context: CallContext
+    ) -> tuple[InferenceRequest, bytes]:
+        """An inference request from a body read whole (the native server's), admitted before it is decoded, with its
+        decoding fault if any (reported once the model is known: an unknown model is 404 whatever the body)."""
+        self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
+        traced = self._service.tracer is not None
+        receive_start = time.monotonic_ns() if traced else 0
         try:
-            self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)  # as in `_infer`
-            try:
-                body = self._whole_body(body, headers)
-                request = self._decode(name, version, body, headers)
-            except GeserveError as exc:
-                request = InferenceRequest(name, version, [], fault=exc)
-            status, payload, content_type, extra = infer_response(
-                self._service.infer_now(model, request, context), request, headers
-            )
-            self.lane.learn(path, headers, body)
-        except Exception as exc:
-            status, payload, content_type, extra = error_response(exc, method, path)
-        return status, payload, content_type, extra, None
+            body = self._whole_body(body, headers)
+            if traced:
+                context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
+            return self._decode(name, version, body, headers), body
+        except GeserveError as exc:
+            return InferenceRequest(name, version, [], fault=exc), body
 
     def _decode(self, name: str, version: str, body: bytes, headers: dict[bytes, bytes]) -> InferenceRequest:
         length = _header_length(headers, len(body))
@@ -569,6 +572,52 @@ async def _receive_body(receive: Receive, headers: dict[bytes, bytes], limit: in
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def infer_target(path: str) -> tuple[str, str] | None:
+    """(model, version) of /v2/models/{name}[/versions/{digits}]/infer; None for any other path."""
+    parts = path.split("/")
+    if len(parts) == 5 and parts[:3] == ["", "v2", "models"] and parts[3] and parts[4] == "infer":
+        return parts[3], ""
+    if len(parts) == 7 and parts[:3] == ["", "v2", "models"] and parts[3] and parts[4] == "versions" \
+            and parts[5].isdigit() and parts[6] == "infer":
+        return parts[3], parts[5]
+    return None
+
+
+def _answer(
+    response: InferenceResponse, request: InferenceRequest, headers: dict[bytes, bytes], body: bytes
+) -> Response:
+    """A served inference's answer; a request the service prepared in full has its header remembered with what the
+    prepare step made of it (codec.remember_prepared), so the next with the same header skips both."""
+    answer = infer_response(response, request, headers)
+    if request.checked_by is not None:
+        length = headers.get(b"inference-header-content-length")
+        if length is not None and length.isdigit():
+            remember_prepared(body[: int(length)], request)
+    return answer
+
+
+def _failed(exc: Exception, request: InferenceRequest, path: str) -> Response:
+    """A failed inference's answer; a body left unread past the size limit cannot be skipped: close."""
+    if isinstance(exc, UnknownModelError):
+        extra = [(b"connection", b"close")] if isinstance(request.fault, BodyTooLarge) else []
+        return 404, error_body(exc.message), TEXT, extra
+    return error_response(exc, "POST", path)
+
+
+def _delivered(
+    deliver: Callable[[Answer], None], path: str, request: InferenceRequest, headers: dict[bytes, bytes],
+    body: bytes, context: CallContext, outcome: InferenceResponse | Exception,
+) -> None:
+    """The answer to a request `begin` started, once the service answers it."""
+    if isinstance(outcome, InferenceResponse):
+        try:
+            deliver((*_answer(outcome, request, headers, body), context.trace))
+            return
+        except Exception as exc:  # an output the encoder refuses
+            outcome = exc
+    deliver((*_failed(outcome, request, path), context.trace))
 
 
 def _context(

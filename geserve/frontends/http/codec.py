@@ -21,6 +21,7 @@ from geserve.types import (
     InferenceResponse,
     InputTensor,
     OutputTensor,
+    Prepared,
     RequestedOutput,
     ShmLocation,
     id_prefix,
@@ -184,10 +185,13 @@ class KnownHeader:
     binary and fixed-size, no shared memory, no request id (but the empty one perf_analyzer sends) or parameters
     (they usually change per request), and the header no longer than 4 KiB."""
 
-    __slots__ = ("_inputs", "_outputs", "data_size")
+    __slots__ = ("_inputs", "_outputs", "data_size", "prepared")
 
     def __init__(self, request: InferenceRequest, data_size: int) -> None:
         self.data_size = data_size
+        # What the service's prepare step made of a request with this header, for the model it last served
+        # (`remember_prepared`): the request this header makes carries it, and the service only applies it.
+        self.prepared: Prepared | None = None
         self._inputs = tuple(  # the dicts copied: the first request's own are its to change
             (t.name, t.datatype, t.data.dtype, t.shape, t.data.size, t.data.nbytes, dict(t.parameters))
             for t in request.inputs
@@ -212,15 +216,26 @@ class KnownHeader:
             data = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
             inputs.append(InputTensor(name, wire, shape, data, dict(parameters)))  # each request owns its dicts
             offset += size
-        request = InferenceRequest(model_name, version, inputs)
+        request = InferenceRequest(model_name, version, inputs, prepared=self.prepared)
         if self._outputs is not None:
             request.outputs = [RequestedOutput(name, dict(parameters)) for name, parameters in self._outputs]
         return request
 
 
-def known_header(header: bytes) -> KnownHeader | None:
-    """The decoding of a JSON header seen before (`KnownHeader`), None for one never seen or never kept."""
-    return _known_headers.get(header)
+def remember_prepared(header: bytes, request: InferenceRequest) -> None:
+    """After the service prepared in full a request decoded from `header` (`checked_by` its model): keep what it
+    made of it with the header, when the header is kept (`KnownHeader`)."""
+    known = _known_headers.get(header)
+    if known is None:
+        return
+    names = [item[0] for item in known._inputs]
+    try:
+        order = tuple(names.index(t.name) for t in request.inputs)
+    except ValueError:  # not this header's request after all
+        return
+    known.prepared = Prepared(
+        request.checked_by, None if order == tuple(range(len(names))) else order, request.batch_size
+    )
 
 
 _KNOWN_HEADERS = 256  # distinct headers kept (per process)

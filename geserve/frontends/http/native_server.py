@@ -87,6 +87,9 @@ class DirectApp(Protocol):
     """An ASGI app that also answers a request in one call, without ASGI's scope and messages (the inference
     frontend: geserve/frontends/http/app.py); the server then calls `respond` instead, ~10 µs less per request."""
 
+    shortcuts: bool
+    """Whether the request path's shortcuts are on (--inference-shortcuts): the connection's replay is one."""
+
     async def respond(
         self, method: str, path: str, headers: dict[bytes, bytes], source: bytes,
         client: tuple[str, int] | None, extensions: dict[str, Any] | None,
@@ -94,21 +97,14 @@ class DirectApp(Protocol):
         """(status, body, content type, more headers, a trace to mark "HTTP_SEND_START" and finish or None)."""
         ...
 
-    def respond_now(
-        self, method: str, path: str, headers: dict[bytes, bytes], source: bytes,
-        client: tuple[str, int] | None, extensions: dict[str, Any] | None,
-    ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any] | None:
-        """`respond` without awaiting, where the app can answer at once; None (having done nothing) elsewhere."""
-        ...
-
-    def respond_soon(
+    def begin(
         self, method: str, path: str, headers: dict[bytes, bytes], source: bytes,
         client: tuple[str, int] | None, extensions: dict[str, Any] | None,
         deliver: Callable[[tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any]], None],
-    ) -> Callable[[], None] | None:
-        """`respond` without a task, where the app can queue the request and answer it by calling `deliver` (once);
-        the returned call withdraws it (the client went away: `deliver` is then never called). None (having done
-        nothing) elsewhere."""
+    ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any] | Callable[[], None] | None:
+        """`respond` without a task, where the app can start the request now: its answer when it has one at once,
+        else the call that withdraws it (the client went away: `deliver` is then never called), `deliver` being
+        called (once, from a later turn of the loop) with its answer. None (having done nothing) elsewhere."""
         ...
 
 
@@ -156,7 +152,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body_size = 0
         self._worker: asyncio.Task[None] | None = None
-        self._owed: Callable[[], None] | None = None  # withdraws the request the app answers later (respond_soon)
+        self._owed: Callable[[], None] | None = None  # withdraws the request the app answers later (DirectApp.begin)
         self._replay: _Replay | None = None
         self._held = b""  # a replayed head and the part of its body read so far
         self._messages = 0  # requests begun
@@ -247,7 +243,7 @@ class _Connection(asyncio.Protocol):
         raw, one = self._raw, self._messages == self._raw_begun + 1
         if raw is not None and (self._phase == _IDLE or not one):  # reads that ended a message, or held two
             self._raw = None
-            if answered is not None and one and self._phase == _IDLE:
+            if answered is not None and one and self._phase == _IDLE and self._server.replay:
                 self._learn_replay(raw, *answered)
 
     def _learn_replay(self, raw: bytes, request: _Request, headers: dict[bytes, bytes], body: bytes) -> None:
@@ -419,39 +415,37 @@ class _Connection(asyncio.Protocol):
         return request.keep_alive and not response.close_requested
 
     def _answer_direct(self, request: _Request, headers: dict[bytes, bytes], body: bytes) -> bool:
-        """Answer a request without the connection's task, where the app can (called only when no earlier request
-        of this connection is owed an answer): at once (DirectApp.respond_now: an inference its model runs on the
-        loop), or later through `_delivered` (DirectApp.respond_soon: HTTP's express lane). False: the request was
-        left untouched, to be answered in its turn (`_answer_pending`)."""
+        """Answer a request without the connection's task, where the app can start it now (DirectApp.begin; called
+        only when no earlier request of this connection is owed an answer): at once, or later through `_delivered`.
+        False: the request was left untouched, to be answered in its turn (`_answer_pending`)."""
         app = cast(DirectApp, self._server.direct)  # only called where the server has one
         idle = self._idle
         if idle:  # counted before the app queues it: the client waits on an answer (a batch need not wait for it)
             self._idle = False
             ARRIVALS.idle_clients -= 1
         try:
-            withdraw = app.respond_soon(
+            started = app.begin(
                 request.method, request.path, headers, body, self._client, self._extensions,
                 partial(self._delivered, request),
             )
-            if withdraw is not None:  # `_delivered` is called from a later turn of the loop, never from here
-                self._owed = withdraw
-                self._server.inflight += 1
-                return True
-            if idle:
-                self._idle = True
-                ARRIVALS.idle_clients += 1
-            answer = app.respond_now(request.method, request.path, headers, body, self._client, self._extensions)
         except Exception:
             self._fail(request)
             return True
-        if answer is None:
+        if started is not None and not isinstance(started, tuple):  # `_delivered` answers it
+            self._owed = started
+            self._server.inflight += 1
+            return True
+        if idle:
+            self._idle = True
+            ARRIVALS.idle_clients += 1
+        if started is None:
             return False
-        if not self._send(request, answer) or self._server.stopping:
+        if not self._send(request, started) or self._server.stopping:
             self._close()
         return True
 
     def _delivered(self, request: _Request, answer: tuple[int, bytes, bytes, list[tuple[bytes, bytes]], Any]) -> None:
-        """The answer to the request the app took through `respond_soon`; then the requests pipelined behind it."""
+        """The answer to a request `begin` started and did not answer at once; then the requests pipelined behind it."""
         if self._owed is None:  # withdrawn: the client went away
             return
         self._owed = None
@@ -631,6 +625,8 @@ class NativeHttpServer:
     ) -> None:
         self.app = app
         self.direct: DirectApp | None = app if isinstance(app, DirectApp) else None
+        # A connection replays a repeated request head (`_Replay`) unless the app's shortcuts are off.
+        self.replay = self.direct is not None and self.direct.shortcuts
         self.tls = tls
         self.reuse_port = reuse_port  # several worker processes share the port (--workers)
         self.adopting = adopting  # binds nothing: serves the connections handed to `adopt` (--workers)

@@ -1,11 +1,12 @@
-"""HTTP's express lane (geserve/frontends/http/express.py): a binary inference request whose header the server already
-served goes straight to its model's batch queue and is answered from the batch's completion. It must answer exactly
-what the routed path answers, keep the answers of a connection in order, count statistics alike, and withdraw a
-queued request whose client went away (CANCELED).
+"""The one request path's shortcuts on HTTP (InferenceService.submit, HttpFrontend.begin): a remembered header (the
+decode and prepare steps memoized by its bytes, codec.remember_prepared), a request queued with a callback or run at
+once on the loop instead of in a task, and the connection's replayed head. Each must answer exactly what the path
+without it answers, keep the answers of a connection in order, count statistics alike, and withdraw a queued request
+whose client went away (CANCELED).
 
 The first tests feed perf_analyzer's kind of request bytes to the native HTTP server's connection objects in-process
 (a real server's models and ONNX Runtime sessions, a transport that keeps what is written), so they can see which
-requests took the lane; the last drives a real server process with tritonclient, lane and routed requests at once.
+step served each request; the last drives a real server process with tritonclient, binary and JSON requests at once.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import numpy as np
 import tritonclient.http as httpclient
 
 from geserve import Server, ServerSettings
+from geserve.frontends.http import codec
 from geserve.frontends.http.app import HttpFrontend
-from geserve.frontends.http.codec import decode_infer_request
 from geserve.frontends.http.native_server import NativeHttpServer, _Connection
 from tests.support import models
 from tests.support.server import geserve
@@ -151,22 +152,30 @@ async def answers(transport: KeepingTransport, count: int) -> list[tuple[bytes, 
     return split_responses(transport.written.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n"))
 
 
+def remembered(data: bytes) -> Any:
+    """What the prepare step made of the request in `data`, as its header's memo keeps it (None: nothing)."""
+    header_length = int(data.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])
+    known = codec._known_headers.get(data.split(b"\r\n\r\n", 1)[1][:header_length])
+    return None if known is None else known.prepared
+
+
 def stats(server: Server, model: str) -> dict[str, Any]:
     return server.service._statistics(model, "")["model_stats"][0]
 
 
-def test_the_lane_answers_byte_for_byte_what_the_routed_path_answered(tmp_path: Path) -> None:
+def test_a_remembered_header_answers_byte_for_byte_what_a_full_prepare_answered(tmp_path: Path) -> None:
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         for binary in (True, False):
             connection, transport = connect(http)
             data = request_bytes("queued", 5, binary_outputs=binary)
-            routed_plans = len(frontend.lane._plans)
-            connection.data_received(data)  # routed: the lane learns its header
+            connection.data_received(data)  # prepared in full: its header is remembered with what prepare made
+            assert connection._owed is not None  # queued with a callback: no task
             (first,) = await answers(transport, 1)
-            assert len(frontend.lane._plans) == routed_plans + 1
+            assert remembered(data).model is server.service._manager.get("queued")
             transport.written = b""
+            queued = server.service.paths["queued"]
             connection.data_received(data)
-            assert connection._owed is not None  # taken by the lane, queued
+            assert connection._owed is not None and server.service.paths["queued"] == queued + 1
             (second,) = await answers(transport, 1)
             assert second == first
             assert outputs_of(second) == {"OUTPUT0": [6] * 16, "OUTPUT1": [4] * 16}
@@ -177,20 +186,22 @@ def test_the_lane_answers_byte_for_byte_what_the_routed_path_answered(tmp_path: 
     in_process(tmp_path, body)
 
 
-def test_the_lane_answers_a_model_that_runs_at_once_without_awaiting(tmp_path: Path) -> None:
+def test_a_model_that_runs_at_once_is_answered_without_awaiting(tmp_path: Path) -> None:
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         connection, transport = connect(http)
         data = request_bytes("unbatched", 5)
-        connection.data_received(data)  # routed (the pool has not timed the model yet): the lane learns
+        tasks = server.service.paths["task"]
+        connection.data_received(data)  # in a task: the pool has not timed the model yet
         (first,) = await answers(transport, 1)
-        (plan,) = [p for (path, _), p in frontend.lane._plans.items() if path == "/v2/models/unbatched/infer"]
-        assert not plan.queues
+        assert server.service.paths["task"] == tasks + 1 and remembered(data) is not None
         # A short model runs on the loop once the pool has timed it short; its cold first run may not have been.
         server.service._manager.get("unbatched").scheduler._pool._typical_ns = 1
         for _ in range(2):
             transport.written = b""
+            inline = server.service.paths["inline"]
             connection.data_received(data)
             assert split_responses(transport.written) == [first]  # answered within the call: nothing awaited
+            assert server.service.paths["inline"] == inline + 1
         recorded = stats(server, "unbatched")
         assert recorded["inference_count"] == recorded["execution_count"] == 3
         assert recorded["inference_stats"]["success"]["count"] == 3
@@ -198,13 +209,13 @@ def test_the_lane_answers_a_model_that_runs_at_once_without_awaiting(tmp_path: P
     in_process(tmp_path, body)
 
 
-def test_pipelined_requests_are_answered_in_order_across_the_lane_and_the_routed_path(tmp_path: Path) -> None:
+def test_pipelined_requests_are_answered_in_order_whichever_step_serves_them(tmp_path: Path) -> None:
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         connection, transport = connect(http)
         connection.data_received(request_bytes("queued", 1))
         await answers(transport, 1)
         transport.written = b""
-        # The lane takes the first; the JSON one (routed) and a third lane-able one wait their turn behind it.
+        # The first is queued from the read; the JSON one and the next ones wait their turn behind it (a task).
         connection.data_received(request_bytes("queued", 2) + json_request_bytes("queued", 3)
                                  + request_bytes("queued", 4) + request_bytes("unbatched", 5))
         got = await answers(transport, 4)
@@ -214,16 +225,9 @@ def test_pipelined_requests_are_answered_in_order_across_the_lane_and_the_routed
     in_process(tmp_path, body)
 
 
-def test_a_client_that_goes_away_withdraws_its_queued_lane_request(tmp_path: Path) -> None:
+def test_a_client_that_goes_away_withdraws_its_queued_request(tmp_path: Path) -> None:
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         data = request_bytes("held", 7)
-        header_length = int(data.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])
-        # Taught without waiting out the 30 s delay: the routed path decodes, then the lane learns once served.
-        payload = data.split(b"\r\n\r\n", 1)[1]
-        decode_infer_request(payload, header_length, "held", "")
-        known = {b"inference-header-content-length": b"%d" % header_length}
-        frontend.lane.learn("/v2/models/held/infer", known, payload)
-        assert frontend.lane._plans
         connection, transport = connect(http)
         connection.data_received(data)
         assert connection._owed is not None
@@ -239,7 +243,7 @@ def test_a_client_that_goes_away_withdraws_its_queued_lane_request(tmp_path: Pat
     in_process(tmp_path, body)
 
 
-def test_a_reloaded_model_is_not_served_from_the_old_plan(tmp_path: Path) -> None:
+def test_a_reloaded_model_prepares_again(tmp_path: Path) -> None:
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         connection, transport = connect(http)
         data = request_bytes("queued", 2)
@@ -247,7 +251,7 @@ def test_a_reloaded_model_is_not_served_from_the_old_plan(tmp_path: Path) -> Non
             connection.data_received(data)
             await answers(transport, 1)
             transport.written = b""
-        (plan,) = [p for (path, _), p in frontend.lane._plans.items() if path == "/v2/models/queued/infer"]
+        plan = remembered(data)
         await server.service.unload_model("queued")
         connection.data_received(data)
         (gone,) = await answers(transport, 1)
@@ -255,11 +259,11 @@ def test_a_reloaded_model_is_not_served_from_the_old_plan(tmp_path: Path) -> Non
         assert connection._owed is None
         transport.written = b""
         await server.service.load_model("queued", {})
-        connection.data_received(data)  # routed again: the plan held the unloaded model
+        connection.data_received(data)  # prepared in full again: the memo held the unloaded model
         (back,) = await answers(transport, 1)
         assert outputs_of(back)["OUTPUT0"] == [3] * 16
-        assert frontend.lane._plans[("/v2/models/queued/infer", data.split(b"\r\n\r\n", 1)[1][
-            :int(data.split(b"Inference-Header-Content-Length: ")[1].split(b"\r\n")[0])])].model is not plan.model
+        assert remembered(data).model is not plan.model
+        assert remembered(data).model is server.service._manager.get("queued")
 
     in_process(tmp_path, body)
 
@@ -285,7 +289,7 @@ def test_a_repeated_head_is_answered_without_parsing_it_again(tmp_path: Path) ->
         for model, split in (("queued", False), ("unbatched", False), ("queued", True), ("unbatched", True)):
             connection, transport = connect(http)
             parser = connection._parser = CountingParser(connection._parser)
-            for value in range(6):  # routed, then the lane (the head is learnt), then replayed
+            for value in range(6):  # parsed, then replayed once the head is learnt
                 data = request_bytes(model, value)
                 if split:  # as libcurl sends it: the head, then the body (here in two reads)
                     cut = data.index(b"\r\n\r\n") + 4
@@ -318,7 +322,7 @@ def test_a_repeated_head_is_answered_without_parsing_it_again(tmp_path: Path) ->
 
 def test_a_head_is_not_replayed_when_it_asks_for_more_than_its_bytes(tmp_path: Path) -> None:
     """`Expect: 100-continue` (the server answers before the body) and a chunked body (the bytes read are not the
-    body) are parsed every time; a model unloaded under a replayed head is answered by the routed path."""
+    body) are parsed every time; a model unloaded under a replayed head is answered as any unknown model."""
     async def body(server: Server, frontend: HttpFrontend, http: NativeHttpServer) -> None:
         data = request_bytes("queued", 1)
         head, payload = data.split(b"\r\n\r\n", 1)
@@ -346,14 +350,13 @@ def test_a_head_is_not_replayed_when_it_asks_for_more_than_its_bytes(tmp_path: P
         connection.data_received(data)
         (gone,) = await answers(transport, 1)
         assert gone[0].startswith(b"HTTP/1.1 404"), gone
-        assert connection._replay is None
 
     in_process(tmp_path, body)
 
 
-def test_a_real_server_batches_lane_and_routed_requests_alike(tmp_path: Path) -> None:
-    """tritonclient's binary requests (the lane, once their header is known) and JSON ones (routed) at once, on a
-    real server: every answer right, every request counted, and they share batches."""
+def test_a_real_server_batches_remembered_and_json_requests_alike(tmp_path: Path) -> None:
+    """tritonclient's binary requests (remembered headers, once known) and JSON ones at once, on a real server:
+    every answer right, every request counted, and they share batches."""
     repo = tmp_path / "models"
     repo.mkdir()
     models.simple(repo, "batched", extra="dynamic_batching { max_queue_delay_microseconds: 5000 }")

@@ -1,0 +1,68 @@
+"""A call's deadline, acted on in one place for every path of every protocol: refused before it starts once passed,
+and answered DEADLINE_EXCEEDED at that moment while it waits (a timer, not the next dispatch).
+
+The deadline is the call context's (`CallContext.deadline`, on `time.monotonic()`'s clock), which both gRPC
+transports fill from `grpc-timeout`; so turning TLS on, or answering on the loop instead of in a task, changes
+nothing. Nothing is armed for a call without one: all it pays is one attribute test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from geserve.errors import DeadlineExceededError
+from geserve.types import InferenceRequest, InferenceResponse
+
+Answer = Callable[[InferenceResponse | Exception], None]
+Withdraw = Callable[[], None]
+
+
+def check(deadline: float | None) -> None:
+    """Refuse a call whose deadline has passed: it is never started."""
+    if deadline is not None and deadline <= time.monotonic():
+        raise DeadlineExceededError()
+
+
+class Watched:
+    """An answer owed before a deadline. Whichever comes first wins, once: the answer (the timer is cancelled), the
+    caller's withdrawal, or the deadline (the request is withdrawn, flagged cancelled so a batch already running it
+    counts it so, and the caller answered DEADLINE_EXCEEDED)."""
+
+    __slots__ = ("_answer", "_request", "_timer", "_withdraw", "done")
+
+    def __init__(self, answer: Answer, request: InferenceRequest, deadline: float) -> None:
+        self._answer = answer
+        self._request = request
+        self._withdraw: Withdraw | None = None
+        self.done = False
+        delay = max(deadline - time.monotonic(), 0.0)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def bind(self, withdraw: Withdraw) -> Withdraw:
+        """The call that withdraws the request once it is queued or running; the caller's way to withdraw it."""
+        self._withdraw = withdraw
+        return self.withdraw
+
+    def __call__(self, outcome: InferenceResponse | Exception) -> None:
+        if not self.done:
+            self.done = True
+            self._timer.cancel()
+            self._answer(outcome)
+
+    def withdraw(self) -> None:
+        if not self.done:
+            self.done = True
+            self._timer.cancel()
+            if self._withdraw is not None:
+                self._withdraw()
+
+    def _expire(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._request.cancelled = True
+        if self._withdraw is not None:
+            self._withdraw()
+        self._answer(DeadlineExceededError())
