@@ -235,3 +235,48 @@ def test_the_layer_check_sees_an_upward_import() -> None:
     assert layer_of("geserve.frontends.http.app") < layer_of("geserve.service.inference")
     assert layer_of("geserve.metrics.collector") < layer_of("geserve.metrics.custom")
     assert layer_of("geserve.scheduling.pool") < layer_of("geserve.statistics")
+
+
+# The service's ways into an inference. `submit` is the one entry (every step, every shortcut inside it); `infer`
+# is `submit` awaited, and `infer_stream` streams a decoupled model's responses (any other model's one response is
+# `submit`'s). A frontend may use only these: anything else would be a second door beside the one path.
+INFERENCE_ENTRIES = {"submit", "infer", "infer_stream"}
+SERVICE_PATH = PACKAGE_ROOT / "service" / "service.py"
+
+
+def service_methods() -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(SERVICE_PATH.read_text(), str(SERVICE_PATH))
+    (service,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "InferenceService"]
+    return {n.name: n for n in service.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def calls_on_service(path: Path) -> set[str]:
+    """The attributes a module calls on the service (`self._service.x(...)`, `service.x(...)`)."""
+    called = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("_service", "service"):
+                called.add(node.func.attr)
+    return called
+
+
+def test_the_service_has_one_entry_for_an_inference() -> None:
+    methods = service_methods()
+    entries = {name for name in methods if not name.startswith("_") and (
+        name.startswith(("infer", "submit", "answer", "run")) or "now" in name or "soon" in name)}
+    assert entries - {"run_forwarded", "run_control"} == INFERENCE_ENTRIES
+    # `infer` is `submit` awaited, and `infer_stream` hands a model that is not decoupled to `infer`.
+    for name, delegate in (("infer", "submit"), ("infer_stream", "infer")):
+        called = {n.func.attr for n in ast.walk(methods[name])
+                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        assert delegate in called, f"InferenceService.{name} does not go through {delegate}"
+
+
+def test_a_frontend_reaches_inference_only_through_the_entry() -> None:
+    public = {name for name in service_methods() if not name.startswith("_")}
+    inference_like = {name for name in public if name.startswith(("infer", "submit", "prepare", "model_now"))}
+    for path in sorted((PACKAGE_ROOT / "frontends").rglob("*.py")):
+        used = calls_on_service(path) & (inference_like | {"infer_now", "infer_soon", "infer_prepared_now"})
+        assert used <= INFERENCE_ENTRIES, f"{path.relative_to(PACKAGE_ROOT)} calls {sorted(used - INFERENCE_ENTRIES)}"

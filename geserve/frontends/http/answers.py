@@ -1,5 +1,5 @@
 """The HTTP answers of inference and of failed calls: status, body, content type and headers, as Triton words them
-(shared by the routed frontend, app.py, and its express lane, express.py)."""
+(shared by every path of the frontend, app.py)."""
 
 from __future__ import annotations
 
