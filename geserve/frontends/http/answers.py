@@ -10,7 +10,7 @@ import zlib
 import orjson
 
 from geserve.errors import GeserveError, InvalidArgumentError, UnsupportedError
-from geserve.frontends.http.codec import encode_infer_response
+from geserve.frontends.http.codec import HeaderLengthError, encode_infer_response
 from geserve.frontends.http.status import HTTP_STATUS
 from geserve.service.context import FrontendTrace
 from geserve.service.shared_memory import OutputPlacementError
@@ -28,10 +28,6 @@ Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]], FrontendTrace | Non
 
 
 class BodyTooLarge(InvalidArgumentError):
-    pass
-
-
-class HeaderLengthError(InvalidArgumentError):
     pass
 
 

@@ -26,7 +26,6 @@ from geserve.frontends.http.answers import (
     TEXT,
     Answer,
     BodyTooLarge,
-    HeaderLengthError,
     Response,
     UnsupportedEncoding,
     error_body,
@@ -443,7 +442,7 @@ class HttpFrontend:
             return InferenceRequest(name, version, [], fault=exc), body
 
     def _decode(self, name: str, version: str, body: bytes, headers: dict[bytes, bytes]) -> InferenceRequest:
-        length = _header_length(headers, len(body))
+        length = _header_length(headers)
         return decode_infer_request(body, length, name, version, shm=self._service.shared_memory)
 
     async def _read_body(self, source: BodySource, headers: dict[bytes, bytes]) -> bytes:
@@ -629,8 +628,9 @@ def _context(
     return context
 
 
-def _header_length(headers: dict[bytes, bytes], body_size: int) -> int | None:
-    """`Inference-Header-Content-Length`: the JSON header's size when binary tensor data follows it."""
+def _header_length(headers: dict[bytes, bytes]) -> int | None:
+    """`Inference-Header-Content-Length`: the JSON header's size when binary tensor data follows it (the codec
+    checks it against the body)."""
     raw = headers.get(b"inference-header-content-length")
     if raw is None:
         return None
@@ -640,8 +640,6 @@ def _header_length(headers: dict[bytes, bytes], body_size: int) -> int | None:
         raise RequestParseError(
             f"Inference-Header-Content-Length must be an integer, got {raw.decode(errors='replace')}"
         ) from None
-    if not 0 <= length <= body_size:
-        raise HeaderLengthError(f"inference header size should be in range (0, {body_size}), got: {length}")
     return length
 
 

@@ -93,6 +93,10 @@ def json_depth(raw: bytes) -> int:
 # ---- requests ---------------------------------------------------------------------------------------
 
 
+class HeaderLengthError(InvalidArgumentError):
+    """An Inference-Header-Content-Length outside the body (Triton answers it from its HTTP layer, as text/plain)."""
+
+
 def decode_infer_request(
     body: bytes, header_length: int | None, model_name: str, version: str,
     *, shm: SharedMemoryRegistry | None = None,
@@ -106,9 +110,7 @@ def decode_infer_request(
     if header_length is None:
         header_length = len(body)
     elif not 0 < header_length <= len(body):
-        raise InvalidArgumentError(
-            f"inference header size should be in range (0, {len(body)}), got: {header_length}"
-        )
+        raise HeaderLengthError(f"inference header size should be in range (0, {len(body)}), got: {header_length}")
     key = None
     if header_length < len(body) and header_length <= _KNOWN_HEADER_SIZE:
         key = body[:header_length]
