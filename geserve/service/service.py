@@ -359,7 +359,7 @@ class InferenceService:
         try:
             pending = submit(request, done)
         except Exception as exc:  # a refusal (a full queue): counted as `_run` counts it
-            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            _account(model, started, exc)
             raise
         if pending is None:
             return None
@@ -373,7 +373,7 @@ class InferenceService:
         try:
             response = self._succeeded(model, request, model.scheduler.answer_now(request), started)
         except Exception as exc:  # as in `_run`
-            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            _account(model, started, exc)
             raise
         finally:
             self._leave()
@@ -386,7 +386,7 @@ class InferenceService:
         if scheduler.withdraw(pending):
             self._leave()
             request.cancelled = True
-            model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
+            _account(model, started, _CANCELLED)
 
     def _finished(
         self, model: LoadedModel, request: InferenceRequest, started: int, answer: Answer,
@@ -400,7 +400,7 @@ class InferenceService:
         try:
             if isinstance(result, BaseException):
                 error = result if isinstance(result, Exception) else InternalError(f"execution failed: {result!r}")
-                model.statistics.record_failure(time.monotonic_ns() - started, error)
+                _account(model, started, error)
                 outcome: InferenceResponse | Exception = error
             else:
                 outcome = self._succeeded(model, request, result, started)
@@ -495,11 +495,7 @@ class InferenceService:
                 error = CancelledError("the client stopped reading the responses")
                 # A request still queued leaves its scheduler and never runs; one running finishes, unread.
                 execution.cancel()
-            elapsed = time.monotonic_ns() - started
-            if error is None:
-                model.statistics.record_success(elapsed)
-            else:
-                model.statistics.record_failure(elapsed, error)
+            _account(model, started, error)
 
     def _lookup(self, request: InferenceRequest) -> LoadedModel:
         try:
@@ -540,7 +536,7 @@ class InferenceService:
             return await self._run(model, request, started)
         except asyncio.CancelledError:
             request.cancelled = True
-            model.statistics.record_failure(time.monotonic_ns() - started, _CANCELLED)
+            _account(model, started, _CANCELLED)
             raise
 
     async def _run(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
@@ -556,7 +552,7 @@ class InferenceService:
                 return forwarded  # counted by the worker that ran it
             return self._succeeded(model, request, response, started)
         except Exception as exc:  # counted whatever failed, then answered by the frontend's error table
-            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            _account(model, started, exc)
             raise
 
     @staticmethod
@@ -566,7 +562,7 @@ class InferenceService:
         """The model's answer, classified as asked and counted as a success."""
         if request.outputs is not None:
             _apply_classification(model, request, response)
-        model.statistics.record_success(time.monotonic_ns() - started)
+        _account(model, started)
         response.model_version = str(model.version)
         return response
 
@@ -589,11 +585,11 @@ class InferenceService:
         except UnknownSequenceError:
             return None
         except Exception as exc:
-            model.statistics.record_failure(time.monotonic_ns() - started, exc)
+            _account(model, started, exc)
             raise
         finally:
             self._leave()
-        model.statistics.record_success(time.monotonic_ns() - started)
+        _account(model, started)
         response.model_version = str(model.version)
         return response
 
@@ -850,6 +846,17 @@ class ModelHost:
 
 def _cancel(task: asyncio.Task[InferenceResponse]) -> None:
     task.cancel()
+
+
+def _account(model: LoadedModel, started: int, error: BaseException | None = None) -> None:
+    """The one record of an inference's outcome in its model's statistics, for every path: a success, or a failure
+    under its reason (a cancel or a passed deadline as CANCELED). A response-cache hit is recorded by the cache, as
+    Triton records it (a success with its own lookup time)."""
+    elapsed = time.monotonic_ns() - started
+    if error is None:
+        model.statistics.record_success(elapsed)
+    else:
+        model.statistics.record_failure(elapsed, error)
 
 
 def _settle(future: asyncio.Future[InferenceResponse], outcome: InferenceResponse | Exception) -> None:
