@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--grpc-http2-max-ping-strikes", type=int, default=2)
     add("--grpc-max-concurrent-streams", type=int, default=1024, help="most concurrent calls per gRPC connection")
     add("--grpc-server", choices=["native", "grpcio"], default="native",
-        help="the gRPC server: geserve's own on HTTP/2 (cleartext), or grpc.aio (always used under TLS)")
+        help="the gRPC server: geserve's own on HTTP/2 (cleartext and TLS), or grpc.aio")
     add("--grpc-use-ssl", type=_bool, nargs="?", const=True, default=False,
         help="gRPC over TLS (needs --grpc-server-cert and --grpc-server-key)")
     add("--grpc-use-ssl-mutual", type=_bool, nargs="?", const=True, default=False,
@@ -307,23 +308,45 @@ def _install_event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def _compile(args: argparse.Namespace) -> int:
+    from geserve.compiler.command import run
+
+    return run(args)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from geserve.compiler.dumps import run_compare
+
+    return run_compare(args)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from geserve.tune.command import run as run_tune
+
+    return run_tune(args)
+
+
+# The commands that start no server, so take no server settings; each imports its own modules only when run.
+_OFFLINE_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "compile": _compile,
+    "compare": _compare,
+    "tune": _tune,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "compile":
-        from geserve.compiler.command import run
-
-        return run(args)
-    if args.command == "compare":
-        from geserve.compiler.dumps import run_compare
-
-        return run_compare(args)
-    if args.command == "tune":
-        from geserve.tune.command import run as run_tune
-
-        return run_tune(args)
+    offline = _OFFLINE_COMMANDS.get(args.command)
+    if offline is not None:
+        return offline(args)
     settings = settings_from_args(args)
     if args.command == "ray-serve":
         return _ray_serve(args, settings)
+    return _serve(args, settings, argv)
+
+
+def _serve(args: argparse.Namespace, settings: ServerSettings, argv: list[str] | None) -> int:
+    """`geserve serve`: one server, or a supervisor of `--workers` of them; this process may be one such worker."""
     from geserve.workers.link import WorkerLink
 
     link = WorkerLink.from_environment()  # set when a supervisor started this process as one of its workers

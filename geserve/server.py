@@ -127,7 +127,7 @@ class Server:
     def _add_grpc(self, tls: TlsFiles | None, adopting: bool) -> None:
         """The gRPC frontend; `adopting`: it serves the connections the supervisor hands over, binding nothing."""
         settings = self.settings
-        # The native HTTP/2 server serves cleartext; TLS (dynamic credentials, client certificates): grpc.aio.
+        # One gRPC server for cleartext and TLS: the native HTTP/2 one; grpc.aio only when --grpc-server grpcio asks.
         options = GrpcOptions(
             settings.grpc_address, settings.grpc_port, settings.grpc_infer_allocation_pool_size,
             keepalive_time_ms=settings.grpc_keepalive_time_ms,
@@ -140,7 +140,7 @@ class Server:
             tls=tls,
             reuse_port=self.link is not None,
         )
-        if settings.grpc_server == "native" and tls is None:
+        if settings.grpc_server == "native":
             native = NativeGrpcServer(self.service, options, adopting=adopting)
             self.frontends.append(native)
             if adopting:
@@ -199,7 +199,8 @@ class Server:
             await self.load_initial_models()
             if self.link is not None:  # the server's control state (loads, unloads, regions) before serving
                 registry = self._worker_registry
-                await self.link.join(self.service, lambda: render(registry) if registry is not None else b"")
+                await self.link.join(self.service, lambda: render(registry) if registry is not None else b"",
+                                     self.manager.models)
             for frontend in self.frontends:
                 await frontend.start()
                 self._started.append(frontend)

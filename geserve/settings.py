@@ -115,7 +115,7 @@ class ServerSettings:
     grpc_max_concurrent_streams: int = 1024
     """Most concurrent calls (HTTP/2 streams) one gRPC connection may open."""
     grpc_server: str = "native"
-    """native: geserve's gRPC server on HTTP/2 (h2; default, cleartext only); grpcio: grpc.aio (always under TLS)."""
+    """native: geserve's gRPC server on HTTP/2 (h2; default, cleartext and TLS); grpcio: grpc.aio."""
     grpc_use_ssl: bool = False
     """Triton's --grpc-use-ssl: serve gRPC over TLS with --grpc-server-cert and --grpc-server-key."""
     grpc_use_ssl_mutual: bool = False
@@ -170,23 +170,29 @@ class ServerSettings:
             raw = variables.get(_ENV_PREFIX + item.name.upper())
             if raw is None or item.name in NOT_FROM_ENVIRONMENT:
                 continue
-            current = getattr(settings, item.name)
-            if isinstance(current, bool):
-                value: object = parse_bool(raw)
-            elif isinstance(current, int):
-                value = int(raw)
-            elif isinstance(current, float):
-                value = float(raw)
-            elif item.name == "model_repositories":
-                value = [Path(p) for p in raw.split(",") if p]
-            elif item.name in _SEMICOLON_LISTS:  # each item holds commas (`health,metadata:key=value`)
-                value = [p for p in raw.split(";") if p]
-            elif isinstance(current, list):
-                value = [p for p in raw.split(",") if p]
-            else:
-                value = raw
-            setattr(settings, item.name, value)
+            setattr(settings, item.name, _env_value(item.name, getattr(settings, item.name), raw))
         return settings
+
+
+def _env_value(name: str, current: object, raw: str) -> object:
+    """A GESERVE_* variable's text as the type of the setting's default, `current`."""
+    if isinstance(current, bool):  # before int: a bool is an int
+        return parse_bool(raw)
+    if isinstance(current, int):
+        return int(raw)
+    if isinstance(current, float):
+        return float(raw)
+    if name == "model_repositories":
+        return [Path(p) for p in _items(raw, ",")]
+    if name in _SEMICOLON_LISTS:  # each item holds commas (`health,metadata:key=value`)
+        return _items(raw, ";")
+    if isinstance(current, list):
+        return _items(raw, ",")
+    return raw
+
+
+def _items(raw: str, separator: str) -> list[str]:
+    return [p for p in raw.split(separator) if p]
 
 
 def parse_bool(text: str) -> bool:

@@ -214,14 +214,19 @@ def _add_into(total: dict[str, Any], other: dict[str, Any]) -> None:
         if key == "last_inference":
             total[key] = max(total[key], value)
         elif key == "batch_stats":
-            by_size = {entry["batch_size"]: entry for entry in total[key]}
-            for entry in value:
-                if entry["batch_size"] in by_size:
-                    _add_into(by_size[entry["batch_size"]], entry)
-                else:
-                    by_size[entry["batch_size"]] = copy.deepcopy(entry)
-            total[key] = [by_size[size] for size in sorted(by_size)]
+            total[key] = _merge_batch_stats(total[key], value)
         elif isinstance(value, dict):
             _add_into(total.setdefault(key, {}), value)
         elif isinstance(value, int) and key not in ("batch_size", "version", "name"):
             total[key] = total.get(key, 0) + value
+
+
+def _merge_batch_stats(total: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two workers' `batch_stats` as one, added per batch size, in size order."""
+    by_size = {entry["batch_size"]: entry for entry in total}
+    for entry in other:
+        if entry["batch_size"] in by_size:
+            _add_into(by_size[entry["batch_size"]], entry)
+        else:
+            by_size[entry["batch_size"]] = copy.deepcopy(entry)
+    return [by_size[size] for size in sorted(by_size)]

@@ -25,7 +25,8 @@ import tritonclient.http as httpclient
 from geserve import Server, ServerSettings
 from geserve.frontends.http import codec
 from geserve.frontends.http.app import HttpFrontend
-from geserve.frontends.http.native_server import NativeHttpServer, _Connection
+from geserve.frontends.http.connection import HttpConnection, Turn
+from geserve.frontends.http.native_server import NativeHttpServer
 from tests.support import models
 from tests.support.server import geserve
 
@@ -138,8 +139,8 @@ def in_process(tmp_path: Path, body: Callable[[Server, HttpFrontend, NativeHttpS
     asyncio.run(main())
 
 
-def connect(http: NativeHttpServer) -> tuple[_Connection, KeepingTransport]:
-    connection, transport = _Connection(http), KeepingTransport()
+def connect(http: NativeHttpServer) -> tuple[HttpConnection, KeepingTransport]:
+    connection, transport = HttpConnection(http), KeepingTransport()
     connection.connection_made(transport)
     return connection, transport
 
@@ -169,13 +170,13 @@ def test_a_remembered_header_answers_byte_for_byte_what_a_full_prepare_answered(
             connection, transport = connect(http)
             data = request_bytes("queued", 5, binary_outputs=binary)
             connection.data_received(data)  # prepared in full: its header is remembered with what prepare made
-            assert connection._owed is not None  # queued with a callback: no task
+            assert connection._responder.turn is Turn.APP  # queued with a callback: no task
             (first,) = await answers(transport, 1)
             assert remembered(data).model is server.service._manager.get("queued")
             transport.written = b""
             queued = server.service.paths["queued"]
             connection.data_received(data)
-            assert connection._owed is not None and server.service.paths["queued"] == queued + 1
+            assert connection._responder.turn is Turn.APP and server.service.paths["queued"] == queued + 1
             (second,) = await answers(transport, 1)
             assert second == first
             assert outputs_of(second) == {"OUTPUT0": [6] * 16, "OUTPUT1": [4] * 16}
@@ -230,7 +231,7 @@ def test_a_client_that_goes_away_withdraws_its_queued_request(tmp_path: Path) ->
         data = request_bytes("held", 7)
         connection, transport = connect(http)
         connection.data_received(data)
-        assert connection._owed is not None
+        assert connection._responder.turn is Turn.APP
         scheduler = server.service._manager.get("held").scheduler
         assert scheduler.inflight_count == 1
         connection.connection_lost(None)
@@ -256,7 +257,7 @@ def test_a_reloaded_model_prepares_again(tmp_path: Path) -> None:
         connection.data_received(data)
         (gone,) = await answers(transport, 1)
         assert gone[0].startswith(b"HTTP/1.1 404") or gone[0].startswith(b"HTTP/1.1 400"), gone
-        assert connection._owed is None
+        assert connection._responder.turn is not Turn.APP
         transport.written = b""
         await server.service.load_model("queued", {})
         connection.data_received(data)  # prepared in full again: the memo held the unloaded model
@@ -300,7 +301,7 @@ def test_a_repeated_head_is_answered_without_parsing_it_again(tmp_path: Path) ->
                 (answer,) = await answers(transport, 1)
                 transport.written = b""
                 assert outputs_of(answer) == {"OUTPUT0": [value + 1] * 16, "OUTPUT1": [value - 1] * 16}
-            assert connection._replay is not None and parser.fed < (18 if split else 6)
+            assert connection._replay is not None and connection._replay.learnt and parser.fed < (18 if split else 6)
             # Two requests in one read are parsed (and answered in order), as is a body of another length.
             fed = parser.fed
             connection.data_received(request_bytes(model, 7) + request_bytes(model, 8))
@@ -339,13 +340,13 @@ def test_a_head_is_not_replayed_when_it_asks_for_more_than_its_bytes(tmp_path: P
                 assert outputs_of(got)["OUTPUT0"] == [2] * 16, kind
                 assert transport.written.startswith(b"HTTP/1.1 100 Continue") is (kind == b"expect")
                 transport.written = b""
-            assert connection._replay is None, kind
+            assert connection._replay is not None and not connection._replay.learnt, kind
         connection, transport = connect(http)
         for _ in range(3):
             connection.data_received(data := request_bytes("queued", 1))
             await answers(transport, 1)
             transport.written = b""
-        assert connection._replay is not None
+        assert connection._replay is not None and connection._replay.learnt
         await server.service.unload_model("queued")
         connection.data_received(data)
         (gone,) = await answers(transport, 1)

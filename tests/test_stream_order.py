@@ -1,8 +1,8 @@
 """The order of a gRPC stream's responses (ModelStreamInfer): a non-decoupled model's responses are written in the
 order their requests were read, as Triton's stream_infer_handler.cc writes them, whatever order they complete in;
 a decoupled model's go out as they come. First the ordering primitive alone, then tritonclient's streaming API on a
-real server over both gRPC transports (the native h2 server, and grpc.aio over TLS), with a Python model that
-answers after the delay it is asked for."""
+real server over both gRPC servers (the native h2 server over cleartext and over TLS, and grpc.aio over TLS), with a
+Python model that answers after the delay it is asked for."""
 
 from __future__ import annotations
 
@@ -68,11 +68,11 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module", params=["native", "grpc.aio over TLS"])
+@pytest.fixture(scope="module", params=["native", "native over TLS", "grpc.aio over TLS"])
 def served(request: pytest.FixtureRequest, repo: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[RunningServer, dict[str, Any]]]:
-    """A server and the client arguments that reach it: plaintext gRPC on the native h2 server, or TLS on grpc.aio
-    (`--grpc-server grpcio` keeps it there should TLS move to the native server)."""
+    """A server and the client arguments that reach it: plaintext gRPC or TLS on the native h2 server, or TLS on
+    grpc.aio (`--grpc-server grpcio`)."""
     logs = tmp_path_factory.mktemp("stream_order_logs")
     if request.param == "native":
         with geserve([repo], logs / "server.log") as running:
@@ -80,8 +80,9 @@ def served(request: pytest.FixtureRequest, repo: Path, tmp_path_factory: pytest.
         return
     ca = make_ca().write(logs, "ca")
     server = issue(ca, "geserve server", server=True).write(logs, "server")
-    args = ["--grpc-server", "grpcio", "--grpc-use-ssl=true", f"--grpc-server-cert={server.cert_path}",
-            f"--grpc-server-key={server.key_path}"]
+    args = ["--grpc-use-ssl=true", f"--grpc-server-cert={server.cert_path}", f"--grpc-server-key={server.key_path}"]
+    if request.param == "grpc.aio over TLS":
+        args += ["--grpc-server", "grpcio"]
     with geserve([repo], logs / "server.log", args) as running:
         yield running, {"ssl": True, "root_certificates": str(ca.cert_path)}
 

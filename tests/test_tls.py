@@ -36,7 +36,14 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from geserve.frontends.http.app import _context
-from geserve.frontends.tls import TlsError, TlsFiles, asgi_tls_extension, grpc_peer_subject, tls_files
+from geserve.frontends.tls import (
+    TlsError,
+    TlsFiles,
+    asgi_tls_extension,
+    grpc_auth_context,
+    grpc_peer_subject,
+    tls_files,
+)
 from tests.support.certs import Issued, client_context, issue, make_ca
 from tests.support.reference import free_port
 from tests.support.security import (
@@ -231,6 +238,8 @@ def test_tritonclient_http_over_mutual_tls(pki: Pki, mutual: RunningServer) -> N
 
 
 def test_tritonclient_grpc_over_mutual_tls(pki: Pki, mutual: RunningServer) -> None:
+    # One gRPC server for cleartext and TLS: the native one, not grpc.aio (tests/test_grpc_tls.py compares them).
+    assert f"started GRPCInferenceService at 127.0.0.1:{mutual.grpc_port} (native HTTP/2, mutual TLS)" in mutual.log()
     with grpc_tls_client(mutual, pki.ca, pki.alice) as client:
         assert client.is_server_live(client_timeout=TIMEOUT)
         check_simple(client.infer("simple", simple_inputs(grpcclient), client_timeout=TIMEOUT))
@@ -369,6 +378,7 @@ def _eventually(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) 
 
 def test_one_way_tls_needs_no_client_certificate(rotating: tuple[RunningServer, Pki]) -> None:
     server, pki = rotating
+    assert f"started GRPCInferenceService at 127.0.0.1:{server.grpc_port} (native HTTP/2, TLS)" in server.log()
     client = https_client(server, pki.ca)
     try:
         check_simple(client.infer("simple", simple_inputs(httpclient)))
@@ -541,6 +551,11 @@ def test_the_client_certificate_reaches_the_call_context(pki: Pki) -> None:
     assert _context(client, {}, {"tls": one_way}).peer_certificate_subject is None
     assert grpc_peer_subject({"x509_pem_cert": [pki.alice.cert_pem]}) == "CN=alice,O=Example Team"
     assert grpc_peer_subject({"transport_security_type": [b"insecure"]}) is None
+    # The native gRPC server's auth context, as gRPC core names it: the same subject comes out of it.
+    assert grpc_peer_subject(grpc_auth_context(_FakeTransport(der))) == "CN=alice,O=Example Team"
+    assert grpc_auth_context(_FakeTransport(der))["x509_pem_cert"] == [ssl.DER_cert_to_PEM_cert(der).encode()]
+    assert grpc_auth_context(_FakeTransport(None)) == {"transport_security_type": [b"ssl"]}  # one-way TLS
+    assert grpc_auth_context(None) == {}  # cleartext
 
 
 def test_many_refused_handshakes_leak_nothing(pki: Pki, mutual: RunningServer) -> None:

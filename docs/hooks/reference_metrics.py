@@ -113,7 +113,8 @@ class _Nvml:
 
 def collect(setup: _Setup) -> dict[str, Metric]:
     """The families one scrape returns in `setup`, by name."""
-    registry = build_registry(_Manager(_model(setup)), setup.config, _cpu() if setup.cpu else None)
+    paths = {"inline": 0, "queued": 0, "task": 0}  # InferenceService.paths, as a fresh server has them
+    registry = build_registry(_Manager(_model(setup)), setup.config, _cpu() if setup.cpu else None, paths=paths)
     if setup.gpu:
         registry.register(GpuCollector(_Nvml()))
     return {family.name: family for family in registry.collect()}

@@ -77,20 +77,29 @@ def compile_and_report(args: argparse.Namespace) -> None:
     from geserve.compiler.pipeline import compile_model
 
     options = options_from_args(args)
-    if args.check and options.insert_op_conf:
-        raise CompilerError("--check feeds both models the same inputs; it cannot follow --insert-op-conf")
-    if (args.layers or args.layers_csv or args.dump_dir) and not (args.check and args.layers):
-        raise CompilerError("--layers extends --check, and --layers-csv / --dump-dir extend --layers: give them")
+    _check_flags(args, options)
     key = load_key(args.encrypt_key_file, env="") if args.encrypt_key_file else None
     quiet = args.quiet or not sys.stderr.isatty()
     manifest, onnx_bytes = compile_model(options, None if quiet else _progress)
     path = write_package(args.output, manifest, onnx_bytes, key)
     _report_written(path, manifest, len(onnx_bytes), key is not None)
     if args.check:
-        lines = check(options, onnx_bytes, args.check_data)
-        print("\n".join(lines + (check_layers(options, onnx_bytes, args) if args.layers else [])))
+        _print_checks(args, options, onnx_bytes)
     if options.target == "cuda" and key is None:
         print(f"TensorRT engine cache ready in {prepare_tensorrt(options, onnx_bytes)}")
+
+
+def _check_flags(args: argparse.Namespace, options: CompileOptions) -> None:
+    """Refuse flag combinations before compiling, as compiling can take minutes."""
+    if args.check and options.insert_op_conf:
+        raise CompilerError("--check feeds both models the same inputs; it cannot follow --insert-op-conf")
+    if (args.layers or args.layers_csv or args.dump_dir) and not (args.check and args.layers):
+        raise CompilerError("--layers extends --check, and --layers-csv / --dump-dir extend --layers: give them")
+
+
+def _print_checks(args: argparse.Namespace, options: CompileOptions, onnx_bytes: bytes) -> None:
+    lines = check(options, onnx_bytes, args.check_data)
+    print("\n".join(lines + (check_layers(options, onnx_bytes, args) if args.layers else [])))
 
 
 def _report_written(path: Path, manifest: Manifest, size: int, encrypted: bool) -> None:
@@ -126,33 +135,45 @@ def prepare_tensorrt(options: CompileOptions, onnx_bytes: bytes) -> str:
 
 def check(options: CompileOptions, onnx_bytes: bytes, data: Path | None, seed: int = 0) -> list[str]:
     """Run the source and the compiled model on the same inputs; one comparison line per common output."""
-    import numpy as np
     import onnxruntime as ort
 
     from geserve.compiler.custom_ops import session_options
-    from geserve.compiler.frontends import detect_framework, load_model
 
-    framework = options.framework or detect_framework(options.model)
-    if framework == "onnx":
-        source: bytes | str = str(options.model)
-    else:
-        source = load_model(
-            options.model, framework, options.input_shapes, options.out_nodes, options.signature
-        ).SerializeToString()
+    graphs = (_source_graph(options), onnx_bytes)
     sessions = [ort.InferenceSession(graph, session_options(options.custom_op_libraries),
-                                     providers=["CPUExecutionProvider"]) for graph in (source, onnx_bytes)]
+                                     providers=["CPUExecutionProvider"]) for graph in graphs]
     compiled = sessions[1]
     batches = check_inputs(compiled, onnx_bytes, options, data, seed)
     names = [o.name for o in compiled.get_outputs() if o.name in {s.name for s in sessions[0].get_outputs()}]
     if not names:
         raise CompilerError("--check: the compiled model shares no output name with the source")
-    results: dict[str, list[list[np.ndarray]]] = {name: [[], []] for name in names}
+    results = _collect_outputs(sessions, names, batches)
+    lines = [f"check: {len(batches)} batch(es) {'from ' + str(data) if data else 'of random inputs'}"]
+    return lines + [_check_line(name, golden, output) for name, (golden, output) in results.items()]
+
+
+def _source_graph(options: CompileOptions) -> bytes | str:
+    """The source as ONNX Runtime takes it: an ONNX file's path, else the front end's graph serialized."""
+    from geserve.compiler.frontends import detect_framework, load_model
+
+    framework = options.framework or detect_framework(options.model)
+    if framework == "onnx":
+        return str(options.model)
+    return load_model(
+        options.model, framework, options.input_shapes, options.out_nodes, options.signature
+    ).SerializeToString()
+
+
+def _collect_outputs(
+    sessions: list[Any], names: list[str], batches: list[dict[str, Any]]
+) -> dict[str, list[list[Any]]]:
+    """Per output name, [the source's values, the compiled model's values], one per batch."""
+    results: dict[str, list[list[Any]]] = {name: [[], []] for name in names}
     for feed in batches:
         for index, session in enumerate(sessions):
             for name, value in zip(names, session.run(names, feed), strict=True):
                 results[name][index].append(value)
-    lines = [f"check: {len(batches)} batch(es) {'from ' + str(data) if data else 'of random inputs'}"]
-    return lines + [_check_line(name, golden, output) for name, (golden, output) in results.items()]
+    return results
 
 
 def check_inputs(
@@ -203,22 +224,24 @@ def _check_line(name: str, golden: list[Any], output: list[Any]) -> str:
 def _random_inputs(session: Any, types: dict[str, Any], gears: list[int], rng: Any) -> dict[str, Any]:
     """Inputs of the compiled model's shape: dynamic batch -> the largest gear up to 4 (else 2), other -> 16;
     floats ~ N(0, 1), integers in [0, 100) (all ones for inputs named like a mask)."""
-    import numpy as np
-
     batch = max([g for g in gears if g <= 4], default=2)
     feed = {}
     for value in session.get_inputs():
         shape = [d if isinstance(d, int) and d > 0 else (batch if i == 0 else 16) for i, d in enumerate(value.shape)]
-        dtype = types[value.name]
-        if np.issubdtype(dtype, np.floating):
-            feed[value.name] = rng.standard_normal(shape).astype(dtype)
-        elif "mask" in value.name.lower():
-            feed[value.name] = np.ones(shape, dtype)
-        elif dtype == np.dtype(object):  # string tensors (a custom tokenizer's, say): numbers as text
-            feed[value.name] = rng.integers(0, 100, shape).astype(str).astype(object)
-        else:
-            feed[value.name] = rng.integers(0, 100, shape).astype(dtype)
+        feed[value.name] = _random_array(value.name, shape, types[value.name], rng)
     return feed
+
+
+def _random_array(name: str, shape: list[int], dtype: Any, rng: Any) -> Any:
+    import numpy as np
+
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(shape).astype(dtype)
+    if "mask" in name.lower():
+        return np.ones(shape, dtype)
+    if dtype == np.dtype(object):  # string tensors (a custom tokenizer's, say): numbers as text
+        return rng.integers(0, 100, shape).astype(str).astype(object)
+    return rng.integers(0, 100, shape).astype(dtype)
 
 
 def _progress(message: str) -> None:

@@ -48,7 +48,12 @@ def compare(golden: np.ndarray, output: np.ndarray) -> Comparison:
     golden, output = np.asarray(golden), np.asarray(output)
     if golden.shape != output.shape:
         raise CompilerError(f"shapes differ: golden {list(golden.shape)}, output {list(output.shape)}")
-    g, o = golden.astype(np.float64).ravel(), output.astype(np.float64).ravel()
+    cosine, max_abs, max_rel = _errors(golden.astype(np.float64).ravel(), output.astype(np.float64).ravel())
+    return Comparison(cosine, max_abs, max_rel, _top1(golden, output), golden.shape[0] if golden.ndim else 1)
+
+
+def _errors(g: np.ndarray, o: np.ndarray) -> tuple[float, float, float]:
+    """Cosine, max abs and max rel error of two flat float64 arrays; all NaN where any difference is."""
     diff = np.abs(o - g)
     max_abs = float(diff.max()) if diff.size else 0.0
     scale = float(np.abs(g).max()) if g.size else 0.0
@@ -56,11 +61,15 @@ def compare(golden: np.ndarray, output: np.ndarray) -> Comparison:
     norms = float(np.linalg.norm(g) * np.linalg.norm(o))
     cosine = float(np.dot(g, o) / norms) if norms > 0 else (1.0 if max_abs == 0 else 0.0)
     if np.isnan(diff).any():
-        cosine = max_abs = max_rel = float("nan")
-    top1 = None
+        return float("nan"), float("nan"), float("nan")
+    return cosine, max_abs, max_rel
+
+
+def _top1(golden: np.ndarray, output: np.ndarray) -> float | None:
+    """Argmax agreement of classifier-shaped outputs; None for any other shape."""
     if golden.ndim == 2 and golden.shape[1] >= 2 and np.issubdtype(golden.dtype, np.floating):
-        top1 = float((golden.argmax(1) == output.argmax(1)).mean())
-    return Comparison(cosine, max_abs, max_rel, top1, golden.shape[0] if golden.ndim else 1)
+        return float((golden.argmax(1) == output.argmax(1)).mean())
+    return None
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:

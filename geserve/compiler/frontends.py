@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -46,6 +47,24 @@ def _from_pytorch(path: Path, input_shapes: dict[str, list[int]], out_nodes: lis
         raise MissingDependencyError("torch", "pytorch", "the PyTorch front end") from None
     if not input_shapes:
         raise CompilerError("the PyTorch front end needs --input-shape to name and size the model inputs")
+    module = _load_torch_module(torch, path)
+    module.eval()
+    examples = tuple(torch.rand(*[1 if d == -1 else d for d in shape]) for shape in input_shapes.values())
+    outputs = out_nodes or ["output"]
+    buffer = io.BytesIO()
+    try:
+        with torch.no_grad():
+            torch.onnx.export(
+                module, examples, buffer, input_names=list(input_shapes), output_names=outputs,
+                dynamic_axes=_dynamic_axes(input_shapes, outputs), opset_version=OPSET, dynamo=False,
+            )
+    except Exception as exc:
+        raise CompilerError(f"torch.onnx.export failed for {path}: {str(exc).splitlines()[0]}") from None
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _load_torch_module(torch: Any, path: Path) -> Any:
+    """The module a TorchScript archive, else a `torch.save` file, holds."""
     try:
         module = torch.jit.load(str(path), map_location="cpu")
     except Exception:
@@ -58,19 +77,11 @@ def _from_pytorch(path: Path, input_shapes: dict[str, list[int]], out_nodes: lis
             f"{path} holds a {type(module).__name__}, not a module; save the whole module (torch.save(model)) "
             f"or a TorchScript archive (torch.jit.save), not a state_dict"
         )
-    module.eval()
-    names = list(input_shapes)
-    examples = tuple(torch.rand(*[1 if d == -1 else d for d in shape]) for shape in input_shapes.values())
+    return module
+
+
+def _dynamic_axes(input_shapes: dict[str, list[int]], outputs: list[str]) -> dict[str, dict[int, str]] | None:
+    """torch.onnx.export's dynamic axes: each -1 of an input, and the outputs' first when an input's batch is -1."""
     dynamic = {n: {i: f"{n}_d{i}" for i, d in enumerate(s) if d == -1} for n, s in input_shapes.items()}
-    outputs = out_nodes or ["output"]
     dynamic.update({n: {0: "batch"} for n in outputs} if any(s[:1] == [-1] for s in input_shapes.values()) else {})
-    buffer = io.BytesIO()
-    try:
-        with torch.no_grad():
-            torch.onnx.export(
-                module, examples, buffer, input_names=names, output_names=outputs,
-                dynamic_axes={k: v for k, v in dynamic.items() if v} or None, opset_version=OPSET, dynamo=False,
-            )
-    except Exception as exc:
-        raise CompilerError(f"torch.onnx.export failed for {path}: {str(exc).splitlines()[0]}") from None
-    return onnx.load_from_string(buffer.getvalue())
+    return {k: v for k, v in dynamic.items() if v} or None

@@ -19,9 +19,18 @@ def parse_keep_fp32(text: str, base: Path | None = None) -> list[str]:
     text = text.strip()
     if not text.startswith("@"):
         return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    path = Path(text[1:])
+    return _names_in_file(_keep_path(text[1:], base))
+
+
+def _keep_path(name: str, base: Path | None) -> Path:
+    path = Path(name)
     if base is not None and not path.is_absolute():
-        path = base / path
+        return base / path
+    return path
+
+
+def _names_in_file(path: Path) -> list[str]:
+    """The file's names, one a line, without comments or blank lines, each once."""
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:

@@ -17,6 +17,8 @@ from geserve.compiler.frontends import detect_framework, load_model
 from geserve.compiler.layers import LayerReport, LayerTensor, describe, expose, match
 from geserve.compiler.options import CompileOptions
 
+_Side = tuple[str, list[LayerTensor], ort.InferenceSession]  # "golden" or "compiled", its tensors, its session
+
 
 def check_layers(
     source: onnx.ModelProto,
@@ -31,18 +33,28 @@ def check_layers(
     report = LayerReport(match(golden, output))
     # Without a dump, only the compared tensors are exposed: each one exposed stays allocated for the whole run.
     wanted = [{p.golden.name for p in report.pairs}, {p.output.name for p in report.pairs}]
-    sides = []
-    for (model, tensors, names), side in zip(((source, golden, wanted[0]), (compiled, output, wanted[1])),
-                                             ("golden", "compiled"), strict=True):
-        exposed = [t.name for t in tensors if t.kind == "layer" and (dump_dir is not None or t.name in names)]
-        sides.append((side, tensors, _session(expose(model, exposed), custom_op_libraries)))
+    sides = [
+        (side, tensors, _session(expose(model, _exposed(tensors, names, dump_dir)), custom_op_libraries))
+        for (model, tensors, names), side in zip(((source, golden, wanted[0]), (compiled, output, wanted[1])),
+                                                 ("golden", "compiled"), strict=True)
+    ]
     for number, feed in enumerate(batches, 1):
         values = [_run(session, feed) for _, _, session in sides]
         if dump_dir is not None:
-            for (side, tensors, _), computed in zip(sides, values, strict=True):
-                _dump(dump_dir / side / batch_name(number), tensors, {**feed, **computed})
+            _dump_batch(dump_dir, number, sides, feed, values)
         report.add_batch(*values)
     return report
+
+
+def _exposed(tensors: list[LayerTensor], names: set[str], dump_dir: Path | None) -> list[str]:
+    """The layer tensors to expose as outputs: all of them for a dump, else those compared."""
+    return [t.name for t in tensors if t.kind == "layer" and (dump_dir is not None or t.name in names)]
+
+
+def _dump_batch(dump_dir: Path, number: int, sides: list[_Side], feed: dict[str, np.ndarray],
+                values: list[dict[str, np.ndarray]]) -> None:
+    for (side, tensors, _), computed in zip(sides, values, strict=True):
+        _dump(dump_dir / side / batch_name(number), tensors, {**feed, **computed})
 
 
 def _session(model: onnx.ModelProto, libraries: Sequence[Path]) -> ort.InferenceSession:

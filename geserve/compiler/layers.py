@@ -87,6 +87,17 @@ def _quantization_params(graph: onnx.GraphProto) -> dict[str, tuple[float, int]]
     quantized (QLinear* ops, QGemm, DequantizeLinear), those of its QuantizeLinear, else the `X_scale` and
     `X_zero_point` constants ONNX Runtime's quantizer names after X (for a tensor only a MaxPool reads, say)."""
     constants = {i.name: i for i in graph.initializer}
+    places = _param_places(graph)
+    found: dict[str, tuple[float, int]] = {}
+    for name in (n for node in graph.node for n in node.output if n.endswith(QUANTIZED_SUFFIX)):
+        params = _dequantization(constants, places, name)
+        if params is not None:
+            found[name] = params
+    return found
+
+
+def _param_places(graph: onnx.GraphProto) -> dict[str, list[str]]:
+    """Per tensor a node reads or writes quantized, the names of the scale and zero point that node takes with it."""
     places: dict[str, list[str]] = {}
     for node in graph.node:
         if node.op_type == "QuantizeLinear":
@@ -94,15 +105,19 @@ def _quantization_params(graph: onnx.GraphProto) -> dict[str, tuple[float, int]]
         elif node.op_type in ("DequantizeLinear", "QGemm") or node.op_type.startswith("QLinear"):
             for index, name in enumerate(node.input):
                 places.setdefault(name, list(node.input[index + 1:index + 3]))
-    found: dict[str, tuple[float, int]] = {}
-    for name in (n for node in graph.node for n in node.output if n.endswith(QUANTIZED_SUFFIX)):
-        base = name.removesuffix(QUANTIZED_SUFFIX)
-        params = places.get(name) or [f"{base}_scale", f"{base}_zero_point"]
-        scale = _scalar(constants, params[0]) if params else None
-        zero_point = _scalar(constants, params[1]) if len(params) > 1 and params[1] else 0.0
-        if scale is not None and zero_point is not None:
-            found[name] = (scale, int(zero_point))
-    return found
+    return places
+
+
+def _dequantization(constants: Mapping[str, onnx.TensorProto], places: Mapping[str, list[str]],
+                    name: str) -> tuple[float, int] | None:
+    """Scale and zero point of the quantized tensor `name`; None unless both are constant scalars."""
+    base = name.removesuffix(QUANTIZED_SUFFIX)
+    params = places.get(name) or [f"{base}_scale", f"{base}_zero_point"]
+    scale = _scalar(constants, params[0]) if params else None
+    zero_point = _scalar(constants, params[1]) if len(params) > 1 and params[1] else 0.0
+    if scale is not None and zero_point is not None:
+        return scale, int(zero_point)
+    return None
 
 
 def _scalar(constants: Mapping[str, onnx.TensorProto], name: str) -> float | None:
@@ -145,7 +160,18 @@ def _partners(golden: list[LayerTensor], output: list[LayerTensor]) -> dict[str,
         base = tensor.name.removeprefix(_RENAMED_PREFIX)
         if tensor.scale is None and base != tensor.name and base in names:
             found.setdefault(base, tensor)
-    consumers = _consumers(golden)
+    aliases = _quantized_partners(output, names, _consumers(golden), found)
+    return {**aliases, **found}  # a tensor holding exactly X wins over one holding X through a folded activation
+
+
+def _quantized_partners(
+    output: list[LayerTensor],
+    names: Collection[str],
+    consumers: Mapping[str, list[LayerTensor]],
+    found: dict[str, LayerTensor],
+) -> dict[str, LayerTensor]:
+    """Pair each `X_quantized` of the output graph: with X itself (added to `found`), or with the end of the Relu /
+    Clip chain folded into X's producer (returned, as aliases)."""
     aliases: dict[str, LayerTensor] = {}
     for tensor in output:
         base = tensor.name.removesuffix(QUANTIZED_SUFFIX)
@@ -154,7 +180,7 @@ def _partners(golden: list[LayerTensor], output: list[LayerTensor]) -> dict[str,
         target = _activation_end(base, consumers)
         if target not in found:
             (aliases if target != base else found).setdefault(target, tensor)
-    return {**aliases, **found}  # a tensor holding exactly X wins over one holding X through a folded activation
+    return aliases
 
 
 def _consumers(tensors: list[LayerTensor]) -> dict[str, list[LayerTensor]]:

@@ -79,17 +79,23 @@ def parse_input_shapes(text: str) -> dict[str, list[int]]:
     """`name:d0,d1;name2:d0,...` (atc's --input_shape); -1 marks a dynamic dimension."""
     shapes: dict[str, list[int]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
-        name, sep, dims = part.rpartition(":")
-        if not sep or not name:
-            raise CompilerError(f"--input-shape expects 'name:d0,d1,...' entries separated by ';', got '{part}'")
-        try:
-            shape = [int(d) for d in dims.split(",") if d.strip()]
-        except ValueError:
-            raise CompilerError(f"--input-shape: dimensions of '{name}' must be integers, got '{dims}'") from None
-        if any(d < -1 or d == 0 for d in shape):
-            raise CompilerError(f"--input-shape: dimensions of '{name}' must be positive or -1, got '{dims}'")
+        name, shape = _parse_input_shape(part)
         shapes[name] = shape
     return shapes
+
+
+def _parse_input_shape(part: str) -> tuple[str, list[int]]:
+    """One `name:d0,d1,...` entry."""
+    name, sep, dims = part.rpartition(":")
+    if not sep or not name:
+        raise CompilerError(f"--input-shape expects 'name:d0,d1,...' entries separated by ';', got '{part}'")
+    try:
+        shape = [int(d) for d in dims.split(",") if d.strip()]
+    except ValueError:
+        raise CompilerError(f"--input-shape: dimensions of '{name}' must be integers, got '{dims}'") from None
+    if any(d < -1 or d == 0 for d in shape):
+        raise CompilerError(f"--input-shape: dimensions of '{name}' must be positive or -1, got '{dims}'")
+    return name, shape
 
 
 def parse_int_list(text: str, what: str) -> list[int]:

@@ -45,6 +45,24 @@ def compile_model(
     report(f"reading {options.model} ({framework})")
     model = load_model(options.model, framework, options.input_shapes, options.out_nodes, options.signature)
     source_nodes = len(model.graph.node)
+    model = _shape_source(model, options, framework, report)
+    model, before_optimization, after_optimization = _convert(model, options, report)
+    onnx_bytes = model.SerializeToString()
+    counts = {"source": source_nodes, "before_optimization": before_optimization,
+              "after_optimization": after_optimization, "compiled": len(model.graph.node)}
+    manifest = _manifest(options, framework, model, counts)
+    report(
+        f"compiled in {time.perf_counter() - started:.1f} s: {source_nodes} -> {len(model.graph.node)} nodes, "
+        f"{len(onnx_bytes) / 1e6:.1f} MB"
+    )
+    return manifest, onnx_bytes
+
+
+def _shape_source(
+    model: onnx.ModelProto, options: CompileOptions, framework: str, report: Callable[[str], None]
+) -> onnx.ModelProto:
+    """The passes before any optimization: --keep-fp32 checked, --out-nodes cut, --input-shape fixed, and the
+    --insert-op-conf preprocessing folded in."""
     check_keep_fp32(model, options.keep_fp32)
     if framework != "onnx" or options.out_nodes:
         model = cut_outputs(model, options.out_nodes if framework == "onnx" else [])
@@ -52,6 +70,13 @@ def compile_model(
     if options.insert_op_conf:
         report(f"folding preprocessing from {options.insert_op_conf}")
         model = insert_preprocessing(model, load_config(options.insert_op_conf))
+    return model
+
+
+def _convert(
+    model: onnx.ModelProto, options: CompileOptions, report: Callable[[str], None]
+) -> tuple[onnx.ModelProto, int, int]:
+    """Optimize, quantize and convert the precision; also the node counts before and after the optimization."""
     final_level = TARGET_LEVEL[options.target] if options.optimize else None
     converts = options.quantize != "none" or options.precision_mode not in ("force_fp32", "must_keep_origin_dtype")
     check_custom_ops(model, options, converts)
@@ -63,19 +88,28 @@ def compile_model(
         report("optimizing (constant folding, Conv+BN fusion)")
         model = optimize(model, "basic", options.custom_op_libraries)
     after_optimization = len(model.graph.node)
+    model = _quantize_and_convert(model, options, report)
+    if final_level and not (converts and final_level == "basic"):
+        report(f"optimizing for {options.target} ({final_level} fusions)")
+        model = optimize(model, final_level, options.custom_op_libraries)
+        after_optimization = after_optimization if converts else len(model.graph.node)
+    return model, before_optimization, after_optimization
+
+
+def _quantize_and_convert(
+    model: onnx.ModelProto, options: CompileOptions, report: Callable[[str], None]
+) -> onnx.ModelProto:
     if options.quantize == "int8":
         if options.calibration_data is None:
             raise CompilerError("--quantize int8 needs --calibration-data DIR (.npy / .npz files)")
         report(f"calibrating and quantizing to INT8 with {options.calibration_data}")
         model = quantize_step(model, options)
-    model = apply_precision(model, options.precision_mode, options.keep_io_types, options.custom_op_libraries,
-                            options.keep_fp32)
-    if final_level and not (converts and final_level == "basic"):
-        report(f"optimizing for {options.target} ({final_level} fusions)")
-        model = optimize(model, final_level, options.custom_op_libraries)
-        after_optimization = after_optimization if converts else len(model.graph.node)
-    onnx_bytes = model.SerializeToString()
-    manifest = Manifest(
+    return apply_precision(model, options.precision_mode, options.keep_io_types, options.custom_op_libraries,
+                           options.keep_fp32)
+
+
+def _manifest(options: CompileOptions, framework: str, model: onnx.ModelProto, counts: dict[str, int]) -> Manifest:
+    return Manifest(
         source_hash=source_hash(options),
         compiler_version=COMPILER_VERSION,
         inputs=signature(graph_inputs(model)),
@@ -86,16 +120,10 @@ def compile_model(
         target=options.target,
         framework=framework,
         options={k: v for k, v in options.cache_fields().items() if v not in (None, [], {}, "")},
-        node_counts={"source": source_nodes, "before_optimization": before_optimization,
-                     "after_optimization": after_optimization, "compiled": len(model.graph.node)},
+        node_counts=counts,
         custom_op_libraries=library_names(options.custom_op_libraries),
         custom_op_domains=custom_domains(model),
     )
-    report(
-        f"compiled in {time.perf_counter() - started:.1f} s: {source_nodes} -> {len(model.graph.node)} nodes, "
-        f"{len(onnx_bytes) / 1e6:.1f} MB"
-    )
-    return manifest, onnx_bytes
 
 
 def check_custom_ops(model: onnx.ModelProto, options: CompileOptions, converts: bool) -> None:

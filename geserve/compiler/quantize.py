@@ -30,18 +30,22 @@ def calibration_batches(folder: Path, model: onnx.ModelProto) -> list[dict[str, 
         raise CompilerError(f"--calibration-data {folder} holds no .npy or .npz files")
     batches: list[dict[str, np.ndarray]] = []
     for path in files:
-        if path.suffix == ".npy":
-            if len(inputs) != 1:
-                raise CompilerError(f"{path}: a .npy file feeds one input; the graph has {len(inputs)}, use .npz")
-            feed = {inputs[0].name: np.load(path)}
-        else:
-            with np.load(path) as archive:
-                feed = {value.name: archive[value.name] for value in inputs if value.name in archive}
-            missing = [v.name for v in inputs if v.name not in feed]
-            if missing:
-                raise CompilerError(f"{path} lacks array(s) for input(s) {missing}")
-        batches.extend(_split_rows(feed, inputs))
+        batches.extend(_split_rows(_file_feed(path, inputs), inputs))
     return batches
+
+
+def _file_feed(path: Path, inputs: list[onnx.ValueInfoProto]) -> dict[str, np.ndarray]:
+    """One calibration file's arrays by input name: a `.npy` for the single input, a `.npz` naming every input."""
+    if path.suffix == ".npy":
+        if len(inputs) != 1:
+            raise CompilerError(f"{path}: a .npy file feeds one input; the graph has {len(inputs)}, use .npz")
+        return {inputs[0].name: np.load(path)}
+    with np.load(path) as archive:
+        feed = {value.name: archive[value.name] for value in inputs if value.name in archive}
+    missing = [v.name for v in inputs if v.name not in feed]
+    if missing:
+        raise CompilerError(f"{path} lacks array(s) for input(s) {missing}")
+    return feed
 
 
 def _from_callable(spec: str, inputs: list[onnx.ValueInfoProto]) -> Iterator[dict[str, np.ndarray]]:

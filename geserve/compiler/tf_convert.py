@@ -95,25 +95,31 @@ def tf2onnx_arguments(request: dict[str, Any], opset: int) -> list[str]:
     kind = request["kind"]
     if kind == "saved_model":
         return [*arguments, "--saved-model", str(path), "--signature_def", choose_signature(path, request["signature"])]
-    inputs, outputs = request["inputs"], request["outputs"]
     if kind == "keras":
-        arguments += ["--keras", str(path)]
-        layer_inputs, layer_outputs = keras_io_names(path)
-        inputs = inputs or layer_inputs
-        outputs = outputs or layer_outputs
-        # tf2onnx names a Keras model's tensors after its graph (image:0, Identity:0): the layer names are the
-        # model's own, so they become the ONNX names when the file gives them.
-        if layer_inputs:
-            arguments += ["--rename-inputs", ",".join(layer_inputs)]
-        if layer_outputs:
-            arguments += ["--rename-outputs", ",".join(layer_outputs)]
-        return arguments
+        return [*arguments, *_keras_arguments(path)]
+    return [*arguments, *_graphdef_arguments(path, request)]
+
+
+def _keras_arguments(path: Path) -> list[str]:
+    arguments = ["--keras", str(path)]
+    layer_inputs, layer_outputs = keras_io_names(path)
+    # tf2onnx names a Keras model's tensors after its graph (image:0, Identity:0): the layer names are the
+    # model's own, so they become the ONNX names when the file gives them.
+    if layer_inputs:
+        arguments += ["--rename-inputs", ",".join(layer_inputs)]
+    if layer_outputs:
+        arguments += ["--rename-outputs", ",".join(layer_outputs)]
+    return arguments
+
+
+def _graphdef_arguments(path: Path, request: dict[str, Any]) -> list[str]:
+    inputs, outputs = request["inputs"], request["outputs"]
     if not inputs or not outputs:
         raise ConversionError("a frozen TensorFlow GraphDef needs --input-shape (its inputs) and --out-nodes")
     shapes = request["input_shapes"]
     named = [_tensor(n) + (f"[{','.join(str(d) for d in shapes[n])}]" if shapes.get(n) else "") for n in inputs]
     return [
-        *arguments, "--graphdef", str(path), "--inputs", ",".join(named),
+        "--graphdef", str(path), "--inputs", ",".join(named),
         "--outputs", ",".join(_tensor(n) for n in outputs),
         # Triton's GraphDef models name their tensors as atc does, after the node (`image`, not `image:0`).
         "--rename-inputs", ",".join(_plain(n) for n in inputs),

@@ -6,7 +6,8 @@ needs the loaded step models' configs (run once they are loaded). Messages follo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2
@@ -188,44 +189,64 @@ def validate_ensemble_steps(config: ModelConfig, step_configs: Mapping[str, Mode
     tensors: dict[str, _TensorNode] = {}
     for tensor in (*config.input, *config.output):
         tensors[tensor.name] = _TensorNode(name, tensor.data_type, _io_dims(tensor), batching)
-
-    def meet(tensor: str, node: _TensorNode) -> None:
-        """The first model to name `tensor` sets what it is; every later one must agree."""
-        known = tensors.setdefault(tensor, node)
-        if known is not node:
-            _check_consistent(name, tensor, known, node)
-
     for step in config.ensemble_scheduling.step:
         model = step_configs[step.model_name]
-        if model.max_batch_size != 0 and model.max_batch_size < config.max_batch_size:
+        _check_step_batch_size(config, step.model_name, model)
+        _check_input_map(name, step, model)
+        # Lazily: each node is checked as it comes, so the first problem in step order is the one reported.
+        for tensor, node in itertools.chain(_input_nodes(name, step, model), _output_nodes(name, step, model)):
+            # The first model to name a tensor sets what it is; every later one must agree.
+            known = tensors.setdefault(tensor, node)
+            if known is not node:
+                _check_consistent(name, tensor, known, node)
+
+
+def _check_step_batch_size(config: ModelConfig, model_name: str, model: ModelConfig) -> None:
+    if model.max_batch_size != 0 and model.max_batch_size < config.max_batch_size:
+        raise _error(
+            f"ensemble {config.name} allows maximum batch size {config.max_batch_size}, but it contains model "
+            f"{model_name} which only allows maximum batch size to be {model.max_batch_size}"
+        )
+
+
+def _check_input_map(name: str, step: model_config_pb2.ModelEnsembling.Step, model: ModelConfig) -> None:
+    model_inputs = {t.name: t for t in model.input}
+    for model_input, tensor in sorted(step.input_map.items()):
+        if model_input not in model_inputs:
             raise _error(
-                f"ensemble {name} allows maximum batch size {config.max_batch_size}, but it contains model "
-                f"{step.model_name} which only allows maximum batch size to be {model.max_batch_size}"
+                f"in ensemble {name}, ensemble tensor {tensor} is mapping to non-existing input {model_input} "
+                f"in model {step.model_name}"
             )
-        step_batching = model.max_batch_size > 0
-        model_inputs = {t.name: t for t in model.input}
-        for model_input, tensor in sorted(step.input_map.items()):
-            if model_input not in model_inputs:
-                raise _error(
-                    f"in ensemble {name}, ensemble tensor {tensor} is mapping to non-existing input {model_input} "
-                    f"in model {step.model_name}"
-                )
-        for model_input in model.input:
-            tensor = step.input_map.get(model_input.name)
-            if tensor is None:
-                if model_input.optional:
-                    continue
-                raise _error(
-                    f"in ensemble {name}, input {model_input.name} in model {step.model_name} is not mapped to any "
-                    f"ensemble tensors"
-                )
-            meet(tensor, _TensorNode(step.model_name, model_input.data_type, tuple(model_input.dims), step_batching))
-        model_outputs = {t.name: t for t in model.output}
-        for model_output, tensor in sorted(step.output_map.items()):
-            output = model_outputs.get(model_output)
-            if output is None:
-                raise _error(
-                    f"in ensemble {name}, ensemble tensor {tensor} is mapped from non-existing output "
-                    f"{model_output} in model {step.model_name}"
-                )
-            meet(tensor, _TensorNode(step.model_name, output.data_type, tuple(output.dims), step_batching))
+
+
+def _input_nodes(
+    name: str, step: model_config_pb2.ModelEnsembling.Step, model: ModelConfig
+) -> Iterator[tuple[str, _TensorNode]]:
+    """The ensemble tensor each of the step model's inputs reads, as that input sees it."""
+    step_batching = model.max_batch_size > 0
+    for model_input in model.input:
+        tensor = step.input_map.get(model_input.name)
+        if tensor is None:
+            if model_input.optional:
+                continue
+            raise _error(
+                f"in ensemble {name}, input {model_input.name} in model {step.model_name} is not mapped to any "
+                f"ensemble tensors"
+            )
+        yield tensor, _TensorNode(step.model_name, model_input.data_type, tuple(model_input.dims), step_batching)
+
+
+def _output_nodes(
+    name: str, step: model_config_pb2.ModelEnsembling.Step, model: ModelConfig
+) -> Iterator[tuple[str, _TensorNode]]:
+    """The ensemble tensor each of the step's mapped outputs writes, as the step model produces it."""
+    step_batching = model.max_batch_size > 0
+    model_outputs = {t.name: t for t in model.output}
+    for model_output, tensor in sorted(step.output_map.items()):
+        output = model_outputs.get(model_output)
+        if output is None:
+            raise _error(
+                f"in ensemble {name}, ensemble tensor {tensor} is mapped from non-existing output "
+                f"{model_output} in model {step.model_name}"
+            )
+        yield tensor, _TensorNode(step.model_name, output.data_type, tuple(output.dims), step_batching)

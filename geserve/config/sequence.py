@@ -214,26 +214,7 @@ def _validate_states(config: ModelConfig) -> None:
     """The checks Triton's sequence batcher makes of each state when it is created (its messages)."""
     seen: set[str] = set()
     for state in config.sequence_batching.state:
-        for field in ("input_name", "output_name"):
-            if not getattr(state, field):
-                raise InvalidArgumentError(f"sequence batching state of model '{config.name}' must set '{field}'")
-        if state.data_type == model_config_pb2.TYPE_INVALID:
-            raise InvalidArgumentError(
-                f"sequence batching state '{state.input_name}' of model '{config.name}' must set 'data_type'"
-            )
-        if state.use_growable_memory and not state.use_same_buffer_for_input_output:
-            raise InvalidArgumentError(
-                f"In order to 'use_growable_memory', you must also enable 'use_single_buffer' for state input name "
-                f"'{state.input_name}'."
-            )
-        if state.use_growable_memory and any(
-            g.kind != model_config_pb2.ModelInstanceGroup.KIND_GPU for g in config.instance_group
-        ):
-            raise InvalidArgumentError(
-                "'use_growable_memory' can only work with KIND_GPU model instances right now. Please either change "
-                "the instance type to KIND_GPU or set 'use_growable_memory' to false for state input "
-                f"'{state.input_name}'."
-            )
+        _validate_state_fields(config, state)
         if len(state.initial_state) > 1:
             raise InvalidArgumentError(
                 f"initial_state field for state input '{state.input_name}' must contain exactly one or zero element. "
@@ -241,6 +222,32 @@ def _validate_states(config: ModelConfig) -> None:
             )
         if state.initial_state:
             _validate_initial_state(state, state.initial_state[0], seen)
+
+
+def _validate_state_fields(config: ModelConfig, state: ModelSequenceBatching.State) -> None:
+    for field in ("input_name", "output_name"):
+        if not getattr(state, field):
+            raise InvalidArgumentError(f"sequence batching state of model '{config.name}' must set '{field}'")
+    if state.data_type == model_config_pb2.TYPE_INVALID:
+        raise InvalidArgumentError(
+            f"sequence batching state '{state.input_name}' of model '{config.name}' must set 'data_type'"
+        )
+    if state.use_growable_memory:
+        _validate_growable_memory(config, state)
+
+
+def _validate_growable_memory(config: ModelConfig, state: ModelSequenceBatching.State) -> None:
+    if not state.use_same_buffer_for_input_output:
+        raise InvalidArgumentError(
+            f"In order to 'use_growable_memory', you must also enable 'use_single_buffer' for state input name "
+            f"'{state.input_name}'."
+        )
+    if any(g.kind != model_config_pb2.ModelInstanceGroup.KIND_GPU for g in config.instance_group):
+        raise InvalidArgumentError(
+            "'use_growable_memory' can only work with KIND_GPU model instances right now. Please either change "
+            "the instance type to KIND_GPU or set 'use_growable_memory' to false for state input "
+            f"'{state.input_name}'."
+        )
 
 
 def _validate_initial_state(

@@ -20,15 +20,7 @@ def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model
         # As in Triton: no instances and no optimization settings of its own; the transaction policy is printed.
         config.model_transaction_policy.SetInParent()
         return
-    if not config.instance_group:
-        config.instance_group.add().name = config.name  # Triton names its default group after the model
-    for index, group in enumerate(config.instance_group):
-        if not group.name:
-            group.name = f"{config.name}_{index}"
-        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO:
-            group.kind = default_instance_kind
-        if group.count == 0:
-            group.count = 1
+    _fill_instance_groups(config, default_instance_kind)
     batching = config.dynamic_batching
     # Triton prints the batch size a batch waits for when none is given: the largest one.
     if (config.WhichOneof("scheduling_choice") == "dynamic_batching" and not batching.preferred_batch_size
@@ -38,6 +30,18 @@ def fill_defaults(config: ModelConfig, default_instance_kind: int, default_model
     if not config.HasField("optimization"):
         config.optimization.input_pinned_memory.enable = True
         config.optimization.output_pinned_memory.enable = True
+
+
+def _fill_instance_groups(config: ModelConfig, default_instance_kind: int) -> None:
+    if not config.instance_group:
+        config.instance_group.add().name = config.name  # Triton names its default group after the model
+    for index, group in enumerate(config.instance_group):
+        if not group.name:
+            group.name = f"{config.name}_{index}"
+        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO:
+            group.kind = default_instance_kind
+        if group.count == 0:
+            group.count = 1
 
 
 def validate(config: ModelConfig, model_dir_name: str) -> None:
@@ -54,6 +58,24 @@ def validate(config: ModelConfig, model_dir_name: str) -> None:
         raise InvalidArgumentError(f"'max_batch_size' must be non-negative value for {config.name}")
     if not config.output and not config.input:
         raise InvalidArgumentError(f"model '{config.name}' must specify at least one input or output")
+    _validate_tensors(config)
+    _validate_instance_groups(config)
+    policy = config.version_policy
+    if policy.HasField("latest") and policy.latest.num_versions < 1:
+        raise InvalidArgumentError(f"version_policy.latest.num_versions must be >= 1 for {config.name}")
+    validate_ensemble_graph(config)
+    validate_sequence_batching(config)
+
+
+def _validate_instance_groups(config: ModelConfig) -> None:
+    for group in config.instance_group:
+        if group.count < 1:
+            raise InvalidArgumentError(
+                f"instance group {group.name} of model {config.name} must specify 'count' >= 1"
+            )
+
+
+def _validate_tensors(config: ModelConfig) -> None:
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for tensor in tensors:
@@ -61,16 +83,6 @@ def validate(config: ModelConfig, model_dir_name: str) -> None:
             if tensor.name in seen:
                 raise InvalidArgumentError(f"{kind} '{tensor.name}' specified multiple times for {config.name}")
             seen.add(tensor.name)
-    for group in config.instance_group:
-        if group.count < 1:
-            raise InvalidArgumentError(
-                f"instance group {group.name} of model {config.name} must specify 'count' >= 1"
-            )
-    policy = config.version_policy
-    if policy.HasField("latest") and policy.latest.num_versions < 1:
-        raise InvalidArgumentError(f"version_policy.latest.num_versions must be >= 1 for {config.name}")
-    validate_ensemble_graph(config)
-    validate_sequence_batching(config)
 
 
 def _validate_tensor(config: ModelConfig, kind: str, tensor: ModelInput | ModelOutput) -> None:
@@ -80,6 +92,10 @@ def _validate_tensor(config: ModelConfig, kind: str, tensor: ModelInput | ModelO
         raise InvalidArgumentError(f"model '{config.name}' must specify 'data_type' for {kind} '{tensor.name}'")
     if not tensor.dims and config.max_batch_size == 0:
         raise InvalidArgumentError(f"model '{config.name}' must specify 'dims' for {kind} '{tensor.name}'")
+    _validate_dims(config, tensor)
+
+
+def _validate_dims(config: ModelConfig, tensor: ModelInput | ModelOutput) -> None:
     for dim in tensor.dims:
         if dim < -1 or dim == 0:
             raise InvalidArgumentError(

@@ -17,7 +17,7 @@ dump_data, profiling                     not offered by the provider: the .om en
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from geserve.errors import InvalidArgumentError
 
@@ -41,42 +41,58 @@ def cann_options(
 ) -> dict[str, str]:
     """CANNExecutionProvider options (device_id excepted) from `session.ge.*` options and model parameters."""
     options: dict[str, str] = {}
+    for read in (_precision_option, _memory_limit_option, _cann_graph_option, _impl_mode_options):
+        options.update(read(ge_options, parameters))
+    if dump_graph:
+        options.update(dump_graphs="1", dump_om_model="1")
+    return options
+
+
+def _one_of(key: str, value: str, allowed: Collection[str]) -> str:
+    if value not in allowed:
+        raise InvalidArgumentError(f"'{key}' is '{value}'; expected one of " + ", ".join(sorted(allowed)))
+    return value
+
+
+def _precision_option(ge_options: Mapping[str, str], parameters: Mapping[str, str]) -> dict[str, str]:
     v2 = ge_options.get("session.ge.exec.precision_mode_v2", "").strip()
     v1 = ge_options.get("session.ge.exec.precision_mode", "").strip()
     if v2 and v1:
         raise InvalidArgumentError("set one of 'session.ge.exec.precision_mode_v2' and "
                                    "'session.ge.exec.precision_mode', not both (Graph Engine refuses both)")
     if v2:
-        if v2 not in _PRECISION_V2:
-            raise InvalidArgumentError(f"'session.ge.exec.precision_mode_v2' is '{v2}'; expected one of "
-                                       + ", ".join(sorted(_PRECISION_V2)))
-        options["precision_mode"] = _PRECISION_V2[v2]
-    elif v1:
-        if v1 not in _PRECISION_V1:
-            raise InvalidArgumentError(f"'session.ge.exec.precision_mode' is '{v1}'; expected one of "
-                                       + ", ".join(sorted(_PRECISION_V1)))
-        options["precision_mode"] = v1
+        return {"precision_mode": _PRECISION_V2[_one_of("session.ge.exec.precision_mode_v2", v2, _PRECISION_V2)]}
+    if v1:
+        return {"precision_mode": _one_of("session.ge.exec.precision_mode", v1, _PRECISION_V1)}
+    return {}
+
+
+def _memory_limit_option(ge_options: Mapping[str, str], parameters: Mapping[str, str]) -> dict[str, str]:
     limit = parameters.get("npu_mem_limit", ge_options.get("session.ge.graphMemoryMaxSize", "")).strip()
-    if limit:
-        if not limit.isdigit():
-            raise InvalidArgumentError(f"the NPU memory limit expects a byte count, got '{limit}'")
-        options["npu_mem_limit"] = limit
-    if "enable_cann_graph" in parameters:
-        value = parameters["enable_cann_graph"].strip().lower()
-        if value not in ("0", "1", "true", "false"):
-            raise InvalidArgumentError(f"parameter 'enable_cann_graph' expects true/false or 1/0, got '{value}'")
-        options["enable_cann_graph"] = "1" if value in ("1", "true") else "0"
+    if not limit:
+        return {}
+    if not limit.isdigit():
+        raise InvalidArgumentError(f"the NPU memory limit expects a byte count, got '{limit}'")
+    return {"npu_mem_limit": limit}
+
+
+def _cann_graph_option(ge_options: Mapping[str, str], parameters: Mapping[str, str]) -> dict[str, str]:
+    if "enable_cann_graph" not in parameters:
+        return {}
+    value = parameters["enable_cann_graph"].strip().lower()
+    if value not in ("0", "1", "true", "false"):
+        raise InvalidArgumentError(f"parameter 'enable_cann_graph' expects true/false or 1/0, got '{value}'")
+    return {"enable_cann_graph": "1" if value in ("1", "true") else "0"}
+
+
+def _impl_mode_options(ge_options: Mapping[str, str], parameters: Mapping[str, str]) -> dict[str, str]:
+    options: dict[str, str] = {}
     mode = ge_options.get("session.ge.op_select_implmode", "").strip()
     if mode:
-        if mode not in _IMPL_MODES:
-            raise InvalidArgumentError(f"'session.ge.op_select_implmode' is '{mode}'; expected one of "
-                                       + ", ".join(sorted(_IMPL_MODES)))
-        options["op_select_impl_mode"] = mode
+        options["op_select_impl_mode"] = _one_of("session.ge.op_select_implmode", mode, _IMPL_MODES)
     op_types = ge_options.get("session.ge.optypelist_for_implmode", "").strip()
     if op_types:
         options["optypelist_for_implmode"] = op_types
-    if dump_graph:
-        options.update(dump_graphs="1", dump_om_model="1")
     return options
 
 
@@ -90,7 +106,14 @@ def gears_from_ge(ge_options: Mapping[str, str]) -> list[int]:
         return []
     if not shape_text:
         raise InvalidArgumentError("'graph.ge.dynamicDims' needs 'graph.ge.inputShape' to say which dims are dynamic")
-    dynamic: list[bool] = []  # per -1 in order: is it a batch (leading) dimension
+    dynamic = _dynamic_dims(shape_text)
+    gears = [_batch_gear(gear, dynamic) for gear in filter(None, (g.strip() for g in dims_text.split(";")))]
+    return sorted(set(gears))
+
+
+def _dynamic_dims(shape_text: str) -> list[bool]:
+    """Per -1 of `graph.ge.inputShape`, in order: whether it is a batch (leading) dimension."""
+    dynamic: list[bool] = []
     for part in filter(None, (p.strip() for p in shape_text.split(";"))):
         _, _, dims = part.rpartition(":")
         try:
@@ -98,20 +121,22 @@ def gears_from_ge(ge_options: Mapping[str, str]) -> list[int]:
         except ValueError:
             raise InvalidArgumentError(f"'graph.ge.inputShape' entry '{part}' is not name:d0,d1,...") from None
         dynamic += [index == 0 for index, d in enumerate(values) if d == -1]
-    gears: list[int] = []
-    for gear in filter(None, (g.strip() for g in dims_text.split(";"))):
-        try:
-            values = [int(v) for v in gear.split(",")]
-        except ValueError:
-            raise InvalidArgumentError(f"'graph.ge.dynamicDims' gear '{gear}' is not a list of integers") from None
-        if len(values) != len(dynamic):
-            raise InvalidArgumentError(
-                f"'graph.ge.dynamicDims' gear '{gear}' has {len(values)} value(s) for {len(dynamic)} dynamic dim(s)"
-            )
-        if not all(dynamic) or len(set(values)) != 1 or values[0] < 1:
-            raise InvalidArgumentError(
-                "'graph.ge.dynamicDims' serves as batch gears when every dynamic dim is the batch (first) dim and "
-                f"each gear gives them one positive value; gear '{gear}' does not"
-            )
-        gears.append(values[0])
-    return sorted(set(gears))
+    return dynamic
+
+
+def _batch_gear(gear: str, dynamic: list[bool]) -> int:
+    """The batch size one `graph.ge.dynamicDims` gear gives every dynamic dim."""
+    try:
+        values = [int(v) for v in gear.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"'graph.ge.dynamicDims' gear '{gear}' is not a list of integers") from None
+    if len(values) != len(dynamic):
+        raise InvalidArgumentError(
+            f"'graph.ge.dynamicDims' gear '{gear}' has {len(values)} value(s) for {len(dynamic)} dynamic dim(s)"
+        )
+    if not all(dynamic) or len(set(values)) != 1 or values[0] < 1:
+        raise InvalidArgumentError(
+            "'graph.ge.dynamicDims' serves as batch gears when every dynamic dim is the batch (first) dim and "
+            f"each gear gives them one positive value; gear '{gear}' does not"
+        )
+    return values[0]

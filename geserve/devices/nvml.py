@@ -7,7 +7,7 @@ from the collector's start, as Triton counts it from the server's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +25,15 @@ FAMILIES = (
     ("nv_energy_consumption", "GPU energy consumption in joules since the Triton Server started", "counter"),
 )
 GPU_FAMILY_NAMES = frozenset(name for name, _, _ in FAMILIES)
+# NVML query -> the gauges its reading gives, each (family, value from the reading); one query feeds both memory
+# gauges, so the two describe the same moment. Power readings are in milliwatts.
+_GAUGES: tuple[tuple[str, tuple[tuple[str, Callable[[Any], float]], ...]], ...] = (
+    ("nvmlDeviceGetUtilizationRates", (("nv_gpu_utilization", lambda reading: reading.gpu / 100.0),)),
+    ("nvmlDeviceGetMemoryInfo", (("nv_gpu_memory_total_bytes", lambda reading: reading.total),
+                                 ("nv_gpu_memory_used_bytes", lambda reading: reading.used))),
+    ("nvmlDeviceGetPowerUsage", (("nv_gpu_power_usage", lambda reading: reading / 1000.0),)),
+    ("nvmlDeviceGetPowerManagementLimit", (("nv_gpu_power_limit", lambda reading: reading / 1000.0),)),
+)
 
 
 def load_nvml() -> ModuleType | None:
@@ -65,27 +74,23 @@ class GpuCollector:
 
     def collect(self) -> Iterator[Metric]:
         families = {name: Metric(name, documentation, kind) for name, documentation, kind in FAMILIES}
-        nvml = self._nvml
         for uuid, handle in self._gpus:
-            labels = {"gpu_uuid": uuid}
-            utilization = self._read(nvml.nvmlDeviceGetUtilizationRates, handle)
-            if utilization is not None:
-                _add(families["nv_gpu_utilization"], labels, utilization.gpu / 100.0)
-            memory = self._read(nvml.nvmlDeviceGetMemoryInfo, handle)
-            if memory is not None:
-                _add(families["nv_gpu_memory_total_bytes"], labels, memory.total)
-                _add(families["nv_gpu_memory_used_bytes"], labels, memory.used)
-            power = self._read(nvml.nvmlDeviceGetPowerUsage, handle)  # milliwatts
-            if power is not None:
-                _add(families["nv_gpu_power_usage"], labels, power / 1000.0)
-            limit = self._read(nvml.nvmlDeviceGetPowerManagementLimit, handle)
-            if limit is not None:
-                _add(families["nv_gpu_power_limit"], labels, limit / 1000.0)
-            energy = self._read(nvml.nvmlDeviceGetTotalEnergyConsumption, handle)  # millijoules since driver load
-            start = self._energy_start.get(uuid)
-            if energy is not None and start is not None:
-                _add(families["nv_energy_consumption"], labels, max(0.0, (energy - start) / 1000.0))
+            self._sample(families, uuid, handle)
         yield from (family for family in families.values() if family.samples)
+
+    def _sample(self, families: dict[str, Metric], uuid: str, handle: Any) -> None:
+        """One GPU's readings added to `families`; a query the GPU does not support adds nothing."""
+        labels = {"gpu_uuid": uuid}
+        for query, gauges in _GAUGES:
+            reading = self._read(getattr(self._nvml, query), handle)
+            if reading is None:
+                continue
+            for family, value in gauges:
+                _add(families[family], labels, value(reading))
+        energy = self._read(self._nvml.nvmlDeviceGetTotalEnergyConsumption, handle)  # millijoules since driver load
+        start = self._energy_start.get(uuid)
+        if energy is not None and start is not None:
+            _add(families["nv_energy_consumption"], labels, max(0.0, (energy - start) / 1000.0))
 
     @staticmethod
     def _read(query: Any, handle: Any) -> Any:

@@ -39,17 +39,27 @@ def placements(
     """
     result: list[Placement] = []
     for group in groups:
-        if group.kind == _KIND_GPU:
-            ids = list(group.gpus) or list(device_ids) or (list(visible_gpus) if visible_gpus else [0])
-            if visible_gpus is not None:
-                _check_gpus(group, ids, visible_gpus, model)
-        else:
-            ids = list(device_ids[:1]) or [0]
+        ids = _group_devices(group, device_ids, visible_gpus, model)
         per_device = device_exec_blocks or group.count * instance_exec_blocks
         for device_id in ids:
             for _ in range(per_device):
                 result.append(Placement(f"{group.name}_{len(result)}", group.kind, device_id))
     return result
+
+
+def _group_devices(
+    group: model_config_pb2.ModelInstanceGroup,
+    device_ids: Sequence[int],
+    visible_gpus: Sequence[int] | None,
+    model: str,
+) -> list[int]:
+    """The devices a group's instances go on: a GPU group's own list, else the dialect's, else the visible GPUs."""
+    if group.kind != _KIND_GPU:
+        return list(device_ids[:1]) or [0]
+    ids = list(group.gpus) or list(device_ids) or (list(visible_gpus) if visible_gpus else [0])
+    if visible_gpus is not None:
+        _check_gpus(group, ids, visible_gpus, model)
+    return ids
 
 
 def _check_gpus(

@@ -4,7 +4,7 @@ each provider's options; and the CPU thread share of an instance."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,18 @@ def accelerator_of(kind: int, accelerator: str | None) -> str:
     return "npu" if _accelerator_provider() == CANN_PROVIDER else "cuda"
 
 
+def _require_providers(kind: int, family: str, wanted: Sequence[str]) -> None:
+    """Refuse a family whose providers this onnxruntime build lacks, naming the package that brings them."""
+    available = available_providers()
+    missing = [name for name in wanted if name not in available]
+    if missing:
+        extra = "geserve[cuda] (onnxruntime-gpu)" if family != "npu" else "onnxruntime-cann with the CANN toolkit"
+        raise UnavailableError(
+            f"instance kind {model_config_pb2.ModelInstanceGroup.Kind.Name(kind)} on '{family}' needs "
+            f"{', '.join(missing)}, but this onnxruntime build only has {', '.join(available)}; install {extra}"
+        )
+
+
 def resolve_target(
     kind: int, device_id: int, accelerator: str | None = None, options: ProviderOptions | None = None
 ) -> ExecutionTarget:
@@ -122,14 +134,7 @@ def resolve_target(
     if family == "cpu":
         return ExecutionTarget("cpu", [cpu])
     wanted = _ACCELERATOR_PROVIDERS[family]
-    available = available_providers()
-    missing = [name for name in wanted if name not in available]
-    if missing:
-        extra = "geserve[cuda] (onnxruntime-gpu)" if family != "npu" else "onnxruntime-cann with the CANN toolkit"
-        raise UnavailableError(
-            f"instance kind {model_config_pb2.ModelInstanceGroup.Kind.Name(kind)} on '{family}' needs "
-            f"{', '.join(missing)}, but this onnxruntime build only has {', '.join(available)}; install {extra}"
-        )
+    _require_providers(kind, family, wanted)
     given = options or {}
     providers = [(name, {"device_id": device_id, **given.get(name, {})}) for name in wanted]
     prefix = "npu" if family == "npu" else "cuda"

@@ -113,11 +113,7 @@ def prepare_engine_cache(
     device_id: int = 0, root: Path | None = None,
 ) -> Path:
     """Build the engine once (a session and one run at the largest batch) so that loads find it in the cache."""
-    if "TensorrtExecutionProvider" not in ort.get_available_providers():
-        raise UnavailableError(
-            "the TensorRT engine cache needs onnxruntime's TensorrtExecutionProvider (geserve[cuda] with TensorRT "
-            f"on a machine with an NVIDIA GPU); this onnxruntime has {', '.join(ort.get_available_providers())}"
-        )
+    _require_tensorrt()
     source: Any = graph if isinstance(graph, bytes) else str(graph)
     probe = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
     inputs = [(i.name, [d if isinstance(d, int) else -1 for d in i.shape]) for i in probe.get_inputs()]
@@ -128,14 +124,26 @@ def prepare_engine_cache(
     session = ort.InferenceSession(
         source, providers=[("TensorrtExecutionProvider", trt), ("CUDAExecutionProvider", {"device_id": device_id})]
     )
-    batch = max_batch if profiles else 1
+    session.run(None, _zeros_feed(probe.get_inputs(), max_batch if profiles else 1))
+    return Path(trt["trt_engine_cache_path"])
+
+
+def _require_tensorrt() -> None:
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        raise UnavailableError(
+            "the TensorRT engine cache needs onnxruntime's TensorrtExecutionProvider (geserve[cuda] with TensorRT "
+            f"on a machine with an NVIDIA GPU); this onnxruntime has {', '.join(ort.get_available_providers())}"
+        )
+
+
+def _zeros_feed(inputs: Sequence[Any], batch: int) -> dict[str, np.ndarray]:
+    """Zeros for each session input (a NodeArg): a dynamic first dimension at `batch`, any other dynamic one at 1."""
     feed = {}
-    for value in probe.get_inputs():
+    for value in inputs:
         shape = [batch if i == 0 and (not isinstance(d, int) or d < 0) else (d if isinstance(d, int) and d > 0 else 1)
                  for i, d in enumerate(value.shape)]
         feed[value.name] = np.zeros(shape, _NUMPY_TYPES.get(value.type, np.float32))
-    session.run(None, feed)
-    return Path(trt["trt_engine_cache_path"])
+    return feed
 
 
 _NUMPY_TYPES: dict[str, Any] = {

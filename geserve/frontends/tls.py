@@ -1,13 +1,14 @@
 """TLS for the frontends: the PEM files each endpoint was given, checked at start with messages naming the flag
-and the file; the ssl.SSLContext (HTTP, metrics) or gRPC server credentials made from them; the client
-certificate's subject under mutual TLS; and re-reading the files on SIGHUP (`reload_tls`).
+and the file; the ssl.SSLContext (HTTP and metrics with ALPN http/1.1, the native gRPC server with ALPN h2) or the
+grpc.aio server credentials made from them; the client certificate's subject under mutual TLS; and re-reading the
+files on SIGHUP (`reload_tls`).
 
-Rotation never drops a connection. HTTP: a reload builds a new SSLContext that new connections get; a connection
-keeps the SSL object (and so the certificate) it was made with. gRPC: the credentials are dynamic
-(`grpc.dynamic_ssl_server_credentials`); gRPC core asks the fetcher before every new handshake, and the fetcher
-hands over the configuration a reload prepared, once. A reload that finds a file missing, unreadable or not
-matching keeps the current certificate and logs why: an operator half-way through replacing files, or a
-typo, must not take the endpoint down.
+Rotation never drops a connection. HTTP and native gRPC: a reload builds a new SSLContext that new connections get;
+a connection keeps the SSL object (and so the certificate) it was made with. grpc.aio (`--grpc-server grpcio`, or a
+host's own grpc server): the credentials are dynamic (`grpc.dynamic_ssl_server_credentials`); gRPC core asks the
+fetcher before every new handshake, and the fetcher hands over the configuration a reload prepared, once. A reload
+that finds a file missing, unreadable or not matching keeps the current certificate and logs why: an operator
+half-way through replacing files, or a typo, must not take the endpoint down.
 """
 
 from __future__ import annotations
@@ -120,13 +121,23 @@ def tls_files(flags: str, use_ssl: bool, mutual: bool, cert: str, key: str, root
     return files
 
 
-def ssl_context(files: TlsFiles) -> ssl.SSLContext:
-    """A server SSLContext for the files: TLS 1.2 or later, HTTP/1.1 by ALPN, client certificates required and
-    verified against the root under mutual TLS."""
+HTTP1_ALPN = ("http/1.1",)  # HTTPS and metrics
+H2_ALPN = ("h2",)  # the native gRPC server: gRPC clients ask for h2 by ALPN (HTTP/2 over TLS, RFC 9113 3.2)
+# TLS 1.2 cipher suites HTTP/2 allows (RFC 9113 9.2.2: ephemeral key exchange and AEAD only), the ones gRPC core's
+# own server offers and ChaCha20; TLS 1.3's suites all qualify and are not set by this.
+_H2_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
+
+
+def ssl_context(files: TlsFiles, alpn: tuple[str, ...] = HTTP1_ALPN) -> ssl.SSLContext:
+    """A server SSLContext for the files: TLS 1.2 or later, the protocol by ALPN (`alpn`: HTTP/1.1, or h2 for
+    gRPC), client certificates required and verified against the root under mutual TLS."""
     material = files.read()  # clear messages for the usual faults, before OpenSSL's terse ones
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["http/1.1"])
+    context.set_alpn_protocols(list(alpn))
+    if "h2" in alpn:  # HTTP/2 over TLS 1.2 (RFC 9113 9.2): no renegotiation, no cipher suite it forbids
+        context.options |= ssl.OP_NO_RENEGOTIATION
+        context.set_ciphers(_H2_TLS12_CIPHERS)
     try:
         context.load_cert_chain(files.cert, files.key)
     except ssl.SSLError as exc:
@@ -145,17 +156,19 @@ def ssl_context(files: TlsFiles) -> ssl.SSLContext:
 
 
 class ServerTls:
-    """An HTTP endpoint's TLS: the SSLContext new connections get (`context`), replaced by `reload`.
+    """An endpoint's TLS on an ssl.SSLContext (HTTP, metrics, the native gRPC server with `alpn` H2_ALPN): the
+    context new connections get (`context`), replaced by `reload`.
 
-    A server that takes one context for good (uvicorn: loop.create_server) gets `fixed_context()`: the first
-    context, whose SNI callback moves each new connection onto the current one before its certificate is chosen.
-    OpenSSL calls that callback on every ClientHello, with or without a server name (clients connecting to an IP
-    address send none)."""
+    A server that takes one context for good (uvicorn and the native gRPC server: loop.create_server) gets
+    `fixed_context()`: the first context, whose SNI callback moves each new connection onto the current one before
+    its certificate is chosen. OpenSSL calls that callback on every ClientHello, with or without a server name
+    (clients connecting to an IP address send none)."""
 
-    def __init__(self, files: TlsFiles, name: str) -> None:
+    def __init__(self, files: TlsFiles, name: str, alpn: tuple[str, ...] = HTTP1_ALPN) -> None:
         self.files = files
         self.name = name
-        self.context = ssl_context(files)
+        self.alpn = alpn
+        self.context = ssl_context(files, alpn)
         self._first = self.context
 
     @property
@@ -166,7 +179,7 @@ class ServerTls:
         """Re-read the files; new connections get the new certificate. False (and logged) when they cannot be
         used: the current certificate stays."""
         try:
-            self.context = ssl_context(self.files)
+            self.context = ssl_context(self.files, self.alpn)
         except TlsError as exc:
             logger.error("%s: TLS certificate not reloaded, the current one stays: %s", self.name, exc)
             return False
@@ -207,15 +220,35 @@ def certificate_subject(encoded: bytes, pem: bool) -> str:
 
 
 def grpc_peer_subject(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
-    """The subject of the client certificate gRPC core verified (mutual TLS), from a call's auth context."""
+    """The subject of the client certificate the server verified (mutual TLS), from a call's auth context (gRPC
+    core's, or the native server's: `grpc_auth_context`)."""
     for pem in auth_context.get("x509_pem_cert", ()):
         return certificate_subject(pem, pem=True)
     return None
 
 
+def grpc_auth_context(transport: Any) -> dict[str, list[bytes]]:
+    """A native gRPC call's auth context, as gRPC core names its properties: {} on cleartext; over TLS
+    `transport_security_type` "ssl", and under mutual TLS the verified client certificate as `x509_pem_cert`
+    (what grpc_peer_subject reads). Asked per call, and only while some server verifies client certificates."""
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    if ssl_object is None:
+        return {}
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        return {"transport_security_type": [b"ssl"]}
+    return {"transport_security_type": [b"ssl"], "x509_pem_cert": [_pem_certificate(der)]}
+
+
+@functools.lru_cache(maxsize=1024)
+def _pem_certificate(der: bytes) -> bytes:
+    return ssl.DER_cert_to_PEM_cert(der).encode("ascii")
+
+
 class GrpcTls:
-    """A gRPC endpoint's TLS: dynamic server credentials whose certificate a reload replaces for the next
-    handshakes (connections already made keep theirs)."""
+    """A grpc.aio endpoint's TLS (`--grpc-server grpcio`; the native gRPC server uses ServerTls): dynamic server
+    credentials whose certificate a reload replaces for the next handshakes (connections already made keep
+    theirs)."""
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files

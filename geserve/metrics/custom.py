@@ -178,19 +178,8 @@ class CustomMetricStore:
         self, family: CustomFamily, labels: Mapping[str, str], buckets: Sequence[float] | None = None
     ) -> Series:
         """The family's series with these labels, made on first use (a histogram's with these `buckets`)."""
-        for label in labels:
-            if not _LABEL_NAME.fullmatch(label) or label.startswith("__"):
-                raise CustomMetricError("Invalid label name")
-            if label == "le" and family.kind == HISTOGRAM:
-                # Triton accepts it and writes two `le` labels on every bucket, which Prometheus refuses.
-                raise CustomMetricError("Invalid label name: 'le' is reserved for the buckets of a histogram")
-        if family.kind == HISTOGRAM:
-            if buckets is None:
-                raise CustomMetricError("Bucket boundaries not found in Metric args.")
-            if any(b >= a for a, b in zip(buckets[1:], buckets, strict=False)):
-                raise CustomMetricError("Bucket Boundaries must be strictly sorted")
-        elif buckets is not None:
-            raise CustomMetricError(f"Unexpected args found in {family.kind} Metric constructor.")
+        _check_labels(family, labels)
+        _check_buckets(family, buckets)
         key = tuple(sorted(labels.items()))  # prometheus-cpp writes labels sorted by name
         with self._lock:
             self._apply_releases()
@@ -243,3 +232,23 @@ class CustomMetricStore:
         with self._lock:
             self._apply_releases()
             return list(self._families)
+
+
+def _check_labels(family: CustomFamily, labels: Mapping[str, str]) -> None:
+    for label in labels:
+        if not _LABEL_NAME.fullmatch(label) or label.startswith("__"):
+            raise CustomMetricError("Invalid label name")
+        if label == "le" and family.kind == HISTOGRAM:
+            # Triton accepts it and writes two `le` labels on every bucket, which Prometheus refuses.
+            raise CustomMetricError("Invalid label name: 'le' is reserved for the buckets of a histogram")
+
+
+def _check_buckets(family: CustomFamily, buckets: Sequence[float] | None) -> None:
+    """A histogram's series needs strictly increasing bucket bounds; a series of any other kind takes none."""
+    if family.kind == HISTOGRAM:
+        if buckets is None:
+            raise CustomMetricError("Bucket boundaries not found in Metric args.")
+        if any(b >= a for a, b in zip(buckets[1:], buckets, strict=False)):
+            raise CustomMetricError("Bucket Boundaries must be strictly sorted")
+    elif buckets is not None:
+        raise CustomMetricError(f"Unexpected args found in {family.kind} Metric constructor.")

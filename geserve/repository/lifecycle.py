@@ -90,26 +90,22 @@ class ModelManager:
         entries: list[dict[str, str]] = []
         for name in self.known_names():
             record = self._records.get(name)
-            if record is None:
-                if not ready_only:
-                    entries.append({"name": name})
-                continue
-            if not record.versions:
-                if not ready_only:
-                    state = ModelState.LOADING if name in self._flights else ModelState.UNAVAILABLE
-                    entry = {"name": name, "state": state.value}
-                    if record.error:
-                        entry["reason"] = record.error
-                    entries.append(entry)
-                continue
-            for version, status in sorted(record.versions.items()):
-                if ready_only and status.state is not ModelState.READY:
-                    continue
-                entry = {"name": name, "version": str(version), "state": status.state.value}
-                if status.reason:
-                    entry["reason"] = status.reason
-                entries.append(entry)
+            if record is not None and record.versions:
+                entries.extend(_version_entries(name, record, ready_only))
+            elif not ready_only:
+                entries.append(self._unversioned_entry(name, record))
         return entries
+
+    def _unversioned_entry(self, name: str, record: ModelRecord | None) -> dict[str, str]:
+        """The index entry of a model with no version to list: never loaded, loading, or failed before any version
+        was tried."""
+        if record is None:
+            return {"name": name}
+        state = ModelState.LOADING if name in self._flights else ModelState.UNAVAILABLE
+        entry = {"name": name, "state": state.value}
+        if record.error:
+            entry["reason"] = record.error
+        return entry
 
     def is_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -472,3 +468,15 @@ def group_index(entries: list[dict[str, str]]) -> list[dict[str, Any]]:
         if entry.get("state") == ModelState.READY.value or not model["state"]:
             model["state"] = entry.get("state", "")
     return list(models.values())
+
+
+def _version_entries(name: str, record: ModelRecord, ready_only: bool) -> list[dict[str, str]]:
+    entries: list[dict[str, str]] = []
+    for version, status in sorted(record.versions.items()):
+        if ready_only and status.state is not ModelState.READY:
+            continue
+        entry = {"name": name, "version": str(version), "state": status.state.value}
+        if status.reason:
+            entry["reason"] = status.reason
+        entries.append(entry)
+    return entries

@@ -54,12 +54,7 @@ class VersionLifecycle:
                 record.error = ""
                 loaded = {v: await self._build(prepared, v, steps) for v in prepared.versions}
                 failures = [f"version {v}: {s.reason}" for v, s in loaded.items() if s.state is not ModelState.READY]
-                for version, status in list(loaded.items()):
-                    # As in Triton, a version whose reload failed keeps serving, unless its folder is gone: requests
-                    # for a removed version fail.
-                    if (status.state is not ModelState.READY and version in previous
-                            and (prepared.model_dir / str(version)).is_dir()):
-                        loaded[version] = _kept(previous.pop(version), status.reason)
+                _keep_failed_reloads(prepared, loaded, previous)
                 # The new versions go live before the old ones stop, so a reload never drops traffic.
                 record.versions = loaded
                 record.refresh_latest()
@@ -104,6 +99,18 @@ class VersionLifecycle:
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)
         logger.info("successfully loaded '%s' version %d", prepared.config.name, version)
         return VersionStatus(ModelState.READY, "", model)
+
+
+def _keep_failed_reloads(
+    prepared: PreparedModel, loaded: dict[int, VersionStatus], previous: dict[int, VersionStatus]
+) -> None:
+    """Move from `previous` into `loaded` each version whose reload failed and that still serves."""
+    for version, status in list(loaded.items()):
+        # As in Triton, a version whose reload failed keeps serving, unless its folder is gone: requests
+        # for a removed version fail.
+        if (status.state is not ModelState.READY and version in previous
+                and (prepared.model_dir / str(version)).is_dir()):
+            loaded[version] = _kept(previous.pop(version), status.reason)
 
 
 def _kept(status: VersionStatus, failure: str) -> VersionStatus:

@@ -100,59 +100,34 @@ async def _run(config: ModelConfig, instance: ModelInstance, sample: WarmupSampl
     groups = [requests] if config.max_batch_size > 0 else [[r] for r in requests]
     errors: list[str] = []
     for group in groups:
-        try:
-            execution = await asyncio.to_thread(instance.execute, group)
-        except GeserveError as exc:
-            errors.append(exc.message)
-            continue
-        except Exception as exc:  # an instance reports failures as results; keep a bug's traceback in the log
-            logger.exception("instance '%s' raised during warmup", instance.name)
-            errors.append(f"execution failed: {exc}")
-            continue
-        errors.extend(r.message for r in execution.results if isinstance(r, GeserveError))
-        for request in group:
-            if request.stream is not None:  # a decoupled model answers through the stream, until its final flag
-                async for item in request.stream:
-                    if item.error is not None:
-                        errors.append(item.error.message)
+        await _run_group(instance, group, errors)
     return errors
+
+
+async def _run_group(instance: ModelInstance, group: list[InferenceRequest], errors: list[str]) -> None:
+    try:
+        execution = await asyncio.to_thread(instance.execute, group)
+    except GeserveError as exc:
+        errors.append(exc.message)
+        return
+    except Exception as exc:  # an instance reports failures as results; keep a bug's traceback in the log
+        logger.exception("instance '%s' raised during warmup", instance.name)
+        errors.append(f"execution failed: {exc}")
+        return
+    errors.extend(r.message for r in execution.results if isinstance(r, GeserveError))
+    for request in group:
+        if request.stream is not None:  # a decoupled model answers through the stream, until its final flag
+            async for item in request.stream:
+                if item.error is not None:
+                    errors.append(item.error.message)
 
 
 def _sample_inputs(config: ModelConfig, model_dir: Path, setting: model_config_pb2.ModelWarmup) -> list[InputTensor]:
     """The sample's input tensors, checked against the model's inputs as a request's would be, in config order."""
     specs = {i.name: i for i in config.input}
-    tensors: dict[str, InputTensor] = {}
-    for name, spec in sorted(setting.inputs.items()):
-        if -1 in spec.dims:
-            raise InvalidArgumentError(
-                f"warmup setting expects all variable-size dimensions are specified for input '{name}'"
-            )
-        model_input = specs.get(name)
-        if model_input is None:
-            raise InvalidArgumentError(f"unexpected inference input '{name}' for model '{config.name}'")
-        datatype = BY_CONFIG.get(spec.data_type)
-        if datatype is None:
-            raise InvalidArgumentError(f"warmup setting expects input '{name}' to have a valid data_type")
-        wanted = BY_CONFIG[model_input.data_type]
-        if datatype is not wanted:
-            raise InvalidArgumentError(
-                f"{_PREFIX}inference input '{name}' data-type is '{datatype.wire}', but model '{config.name}' "
-                f"expects '{wanted.wire}'"
-            )
-        dims = tuple(spec.dims)
-        configured = tuple(model_input.dims)
-        fits = len(dims) == len(configured) and all(m in (-1, d) for m, d in zip(configured, dims, strict=True))
-        if not fits:
-            batching = config.max_batch_size > 0
-            expected = ([-1] if batching else []) + list(model_input.dims)
-            got = ([1] if batching else []) + list(dims)
-            raise InvalidArgumentError(
-                f"{_PREFIX}unexpected shape for input '{name}' for model '{config.name}'. "
-                f"Expected {_shape_text(expected)}, got {_shape_text(got)}"
-            )
-        data = _data(config, model_dir, name, spec, datatype, dims)
-        shape = ((1,) if config.max_batch_size > 0 else ()) + dims
-        tensors[name] = InputTensor(name, datatype.wire, shape, data.reshape(shape))
+    tensors = {
+        name: _sample_input(config, model_dir, specs, name, spec) for name, spec in sorted(setting.inputs.items())
+    }
     missing = [i.name for i in config.input if i.name not in tensors and not getattr(i, "optional", False)]
     if missing:
         raise InvalidArgumentError(
@@ -161,6 +136,52 @@ def _sample_inputs(config: ModelConfig, model_dir: Path, setting: model_config_p
             f"{_names_text(missing)}. Please provide all required input(s)."
         )
     return [tensors[i.name] for i in config.input if i.name in tensors]
+
+
+def _sample_input(
+    config: ModelConfig,
+    model_dir: Path,
+    specs: dict[str, model_config_pb2.ModelInput],
+    name: str,
+    spec: model_config_pb2.ModelWarmup.Input,
+) -> InputTensor:
+    if -1 in spec.dims:
+        raise InvalidArgumentError(
+            f"warmup setting expects all variable-size dimensions are specified for input '{name}'"
+        )
+    model_input = specs.get(name)
+    if model_input is None:
+        raise InvalidArgumentError(f"unexpected inference input '{name}' for model '{config.name}'")
+    datatype = BY_CONFIG.get(spec.data_type)
+    if datatype is None:
+        raise InvalidArgumentError(f"warmup setting expects input '{name}' to have a valid data_type")
+    wanted = BY_CONFIG[model_input.data_type]
+    if datatype is not wanted:
+        raise InvalidArgumentError(
+            f"{_PREFIX}inference input '{name}' data-type is '{datatype.wire}', but model '{config.name}' "
+            f"expects '{wanted.wire}'"
+        )
+    dims = tuple(spec.dims)
+    _check_shape(config, model_input, name, dims)
+    data = _data(config, model_dir, name, spec, datatype, dims)
+    shape = ((1,) if config.max_batch_size > 0 else ()) + dims
+    return InputTensor(name, datatype.wire, shape, data.reshape(shape))
+
+
+def _check_shape(
+    config: ModelConfig, model_input: model_config_pb2.ModelInput, name: str, dims: tuple[int, ...]
+) -> None:
+    configured = tuple(model_input.dims)
+    fits = len(dims) == len(configured) and all(m in (-1, d) for m, d in zip(configured, dims, strict=True))
+    if fits:
+        return
+    batching = config.max_batch_size > 0
+    expected = ([-1] if batching else []) + list(model_input.dims)
+    got = ([1] if batching else []) + list(dims)
+    raise InvalidArgumentError(
+        f"{_PREFIX}unexpected shape for input '{name}' for model '{config.name}'. "
+        f"Expected {_shape_text(expected)}, got {_shape_text(got)}"
+    )
 
 
 def _data(

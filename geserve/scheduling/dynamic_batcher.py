@@ -339,23 +339,31 @@ class DynamicBatcher(AnswersLater):
             batch, rows = self._candidate(limit)
             preferred = self._preferred_prefix(batch)
             due_at = (self._queue.oldest_enqueued_ns() or now) + delay_ns
-            if rows < limit and preferred:
-                batch = batch[:preferred]  # the largest preferred size it holds goes at once
-            elif rows < limit and now < due_at and not self._stopping and not (
-                self._settings.early_dispatch and ARRIVALS.quiet(delay_ns)
-            ):
-                wake_at = min(due_at, next_timeout) if next_timeout else due_at
-                # Only the row limit makes this batch due before its delay (one priority level, no other preferred
-                # size, fixed limits): arrivals short of it need not wake the batcher (`_need_wake`).
-                if self._plain_limit:
-                    self._wake_rows, self._rows_arrived = limit - rows, 0
-                try:
-                    await self._arrived.wait((wake_at - now) / 1e9)
-                finally:
-                    self._wake_rows = 0
-                continue
+            if rows < limit:
+                if preferred:
+                    batch = batch[:preferred]  # the largest preferred size it holds goes at once
+                elif self._may_grow(now, due_at, delay_ns):
+                    await self._await_arrivals(limit - rows, now, due_at, next_timeout)
+                    continue
             self._queue.remove(batch)
             return batch
+
+    def _may_grow(self, now: int, due_at: int, delay_ns: int) -> bool:
+        """Whether a batch short of its limit waits for more requests: before its delay, unless no request can come
+        (`early_dispatch`) or the batcher is stopping."""
+        return now < due_at and not self._stopping and not (self._settings.early_dispatch and ARRIVALS.quiet(delay_ns))
+
+    async def _await_arrivals(self, missing_rows: int, now: int, due_at: int, next_timeout: int) -> None:
+        """Wait for arrivals that may complete the batch, until it is due or the next request times out."""
+        wake_at = min(due_at, next_timeout) if next_timeout else due_at
+        # Only the row limit makes this batch due before its delay (one priority level, no other preferred
+        # size, fixed limits): arrivals short of it need not wake the batcher (`_need_wake`).
+        if self._plain_limit:
+            self._wake_rows, self._rows_arrived = missing_rows, 0
+        try:
+            await self._arrived.wait((wake_at - now) / 1e9)
+        finally:
+            self._wake_rows = 0
 
     def _limits(self) -> tuple[int, int]:
         if self._adaptive is not None:
@@ -397,24 +405,15 @@ class DynamicBatcher(AnswersLater):
     async def _dispatch(self, worker: Worker, batch: list[Pending]) -> None:
         live = [p for p in batch if not p.future.cancelled()]
         if len(live) < len(batch):  # cancelled between being taken and this task's start: they never run
-            for pending in batch:
-                if pending.future.cancelled():
-                    self._complete(pending, CancelledError(_CANCELLED))
+            self._answer_cancelled(batch)
             if not live:
                 self._pool.release(worker)
                 return
             batch = live
         self._executing += len(batch)
-        requests = [p.request for p in batch]
-        rows = sum(p.rows for p in batch)
-        padding = self._padding(requests[0], rows)
+        requests, queued, padding_rows = self._requests(batch)
         try:
-            results = await self._pool.run(
-                worker,
-                requests + ([padding] if padding else []),
-                [p.enqueued_ns for p in batch],
-                padding.batch_size if padding else 0,
-            )
+            results = await self._pool.run(worker, requests, queued, padding_rows)
         except Exception as exc:
             results = [execution_failed(exc)] * len(batch)
         finally:
@@ -422,8 +421,27 @@ class DynamicBatcher(AnswersLater):
         for pending, result in zip(batch, results, strict=False):
             self._complete(pending, result)
         if self._adaptive is not None:
-            now = time.monotonic_ns()
-            self._adaptive.observe([(now - p.enqueued_ns) for p in batch], backlogged=self._queue.size > 0)
+            self._observe(self._adaptive, batch)
+
+    def _answer_cancelled(self, batch: list[Pending]) -> None:
+        for pending in batch:
+            if pending.future.cancelled():
+                self._complete(pending, CancelledError(_CANCELLED))
+
+    def _requests(self, batch: list[Pending]) -> tuple[list[InferenceRequest], list[int], int]:
+        """What the pool runs: the batch's requests (padded up to the next gear where it needs some), when each was
+        queued, and the padding's rows."""
+        requests = [p.request for p in batch]
+        queued = [p.enqueued_ns for p in batch]
+        padding = self._padding(requests[0], sum(p.rows for p in batch))
+        if padding is None:
+            return requests, queued, 0
+        requests.append(padding)
+        return requests, queued, padding.batch_size
+
+    def _observe(self, adaptive: AdaptiveController, batch: list[Pending]) -> None:
+        now = time.monotonic_ns()
+        adaptive.observe([(now - p.enqueued_ns) for p in batch], backlogged=self._queue.size > 0)
 
     def _padding(self, first: InferenceRequest, rows: int) -> InferenceRequest | None:
         """Zero rows that lift a batch to the next gear; their outputs are never returned."""

@@ -48,24 +48,8 @@ class EnsemblePlan:
 
     @classmethod
     def build(cls, config: ModelConfig, step_configs: dict[str, ModelConfig]) -> EnsemblePlan:
-        steps = []
-        for index, step in enumerate(config.ensemble_scheduling.step):
-            model = step_configs[step.model_name]
-            dims = {t.name: tuple(t.dims) for t in model.input}
-            inputs = tuple(StepInput(i, t, dims[i]) for i, t in sorted(step.input_map.items()))
-            version = "" if step.model_version < 0 else str(step.model_version)
-            outputs = dict(sorted(step.output_map.items()))
-            steps.append(
-                StepPlan(index, step.model_name, version, model.max_batch_size > 0, inputs, outputs,
-                         frozenset(step.input_map.values()), model.model_transaction_policy.decoupled)
-            )
-        consumers: dict[str, list[int]] = {}
-        producer: dict[str, int] = {}
-        for step in steps:
-            for tensor in step.reads:
-                consumers.setdefault(tensor, []).append(step.index)
-            for tensor in step.outputs.values():
-                producer[tensor] = step.index
+        steps = _step_plans(config, step_configs)
+        consumers, producer = _connections(steps)
         scopes = _Scopes(config.name, steps, producer)
         scopes.deepest([t.name for t in config.output], "the ensemble's outputs")
         return cls(
@@ -75,7 +59,7 @@ class EnsemblePlan:
             outputs=tuple(t.name for t in config.output),
             output_dims={t.name: tuple(t.dims) for t in config.output},
             optional_inputs=tuple(t.name for t in config.input if t.optional),
-            consumers={t: tuple(s) for t, s in consumers.items()},
+            consumers=consumers,
             producer=producer,
             decoupled=any(step.decoupled for step in steps),
             tensor_scope=scopes.tensors,
@@ -89,6 +73,16 @@ class EnsemblePlan:
         return route
 
     def _build_route(self, outputs: frozenset[str]) -> Route:
+        needed = self._needed(outputs)
+        read = {tensor for index in needed for tensor in self.steps[index].reads}
+        readers = {tensor: [i for i in self.consumers[tensor] if i in needed] for tensor in read}
+        step_outputs = {index: self._step_outputs(index, readers, outputs) for index in needed}
+        # Checked at build: the outputs' scopes nest, so the deepest one sees them all.
+        emit_scope = max((self.tensor_scope.get(t) for t in outputs), key=self._depth, default=None)
+        return Route(frozenset(needed), self._releasable(readers, outputs), step_outputs, self._scope_steps(needed),
+                     emit_scope)
+
+    def _needed(self, outputs: frozenset[str]) -> set[int]:
         # Only the steps leading to `outputs` run, as Triton prunes the others.
         needed: set[int] = set()
         pending = list(outputs)
@@ -97,22 +91,21 @@ class EnsemblePlan:
             if index is not None and index not in needed:
                 needed.add(index)
                 pending.extend(self.steps[index].reads)
-        read = {tensor for index in needed for tensor in self.steps[index].reads}
-        readers = {tensor: [i for i in self.consumers[tensor] if i in needed] for tensor in read}
+        return needed
+
+    def _releasable(self, readers: dict[str, list[int]], outputs: frozenset[str]) -> dict[str, int]:
         # Released after their last reader: the intermediates that no run of a later scope may still read.
-        releasable = {t: len(r) for t, r in readers.items()
-                      if t not in outputs and all(self.steps[i].scope == self.tensor_scope.get(t) for i in r)}
-        step_outputs = {
-            index: tuple(o for o, t in self.steps[index].outputs.items() if t in readers or t in outputs)
-            for index in needed
-        }
+        return {t: len(r) for t, r in readers.items()
+                if t not in outputs and all(self.steps[i].scope == self.tensor_scope.get(t) for i in r)}
+
+    def _step_outputs(self, index: int, readers: dict[str, list[int]], outputs: frozenset[str]) -> tuple[str, ...]:
+        return tuple(o for o, t in self.steps[index].outputs.items() if t in readers or t in outputs)
+
+    def _scope_steps(self, needed: set[int]) -> dict[int | None, tuple[int, ...]]:
         scope_steps: dict[int | None, list[int]] = {}
         for index in sorted(needed):
             scope_steps.setdefault(self.steps[index].scope, []).append(index)
-        # Checked at build: the outputs' scopes nest, so the deepest one sees them all.
-        emit_scope = max((self.tensor_scope.get(t) for t in outputs), key=self._depth, default=None)
-        return Route(frozenset(needed), releasable, step_outputs, {k: tuple(v) for k, v in scope_steps.items()},
-                     emit_scope)
+        return {k: tuple(v) for k, v in scope_steps.items()}
 
     def _depth(self, scope: int | None) -> int:
         depth = 0
@@ -131,6 +124,33 @@ class Route:
     step_outputs: dict[int, tuple[str, ...]]  # step -> the model outputs some needed step or the request reads
     scope_steps: dict[int | None, tuple[int, ...]] = field(default_factory=dict)  # StepPlan.scope -> steps
     emit_scope: int | None = None  # each run of this scope answers the request once
+
+
+def _step_plans(config: ModelConfig, step_configs: dict[str, ModelConfig]) -> list[StepPlan]:
+    steps = []
+    for index, step in enumerate(config.ensemble_scheduling.step):
+        model = step_configs[step.model_name]
+        dims = {t.name: tuple(t.dims) for t in model.input}
+        inputs = tuple(StepInput(i, t, dims[i]) for i, t in sorted(step.input_map.items()))
+        version = "" if step.model_version < 0 else str(step.model_version)
+        outputs = dict(sorted(step.output_map.items()))
+        steps.append(
+            StepPlan(index, step.model_name, version, model.max_batch_size > 0, inputs, outputs,
+                     frozenset(step.input_map.values()), model.model_transaction_policy.decoupled)
+        )
+    return steps
+
+
+def _connections(steps: list[StepPlan]) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Which steps read each tensor, and which step writes it."""
+    consumers: dict[str, list[int]] = {}
+    producer: dict[str, int] = {}
+    for step in steps:
+        for tensor in step.reads:
+            consumers.setdefault(tensor, []).append(step.index)
+        for tensor in step.outputs.values():
+            producer[tensor] = step.index
+    return {t: tuple(s) for t, s in consumers.items()}, producer
 
 
 class _Scopes:

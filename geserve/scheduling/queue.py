@@ -150,9 +150,9 @@ class PriorityQueue:
         ids = {id(p) for p in taken}
         for level, queue in self._queues.items():
             if any(id(p) in ids for p in queue):
-                self._queues[level] = collections.deque(p for p in queue if id(p) not in ids)
+                self._queues[level] = _without(queue, ids)
         if any(id(p) in ids for p in self._delayed):
-            self._delayed = collections.deque(p for p in self._delayed if id(p) not in ids)
+            self._delayed = _without(self._delayed, ids)
         self.size -= len(taken)
         self.rows -= sum(p.rows for p in taken)
 
@@ -179,16 +179,24 @@ class PriorityQueue:
             keep: collections.deque[Pending] = collections.deque()
             for pending in queue:
                 if pending.deadline_ns and pending.deadline_ns <= now_ns:
-                    if self.policy(level).delay_on_timeout:
-                        pending.delayed, pending.deadline_ns = True, 0
-                        self._delayed.append(pending)
-                    else:
-                        rejected.append(pending)
-                        self.size -= 1
-                        self.rows -= pending.rows
+                    self._time_out(pending, level, rejected)
                     continue
                 if pending.deadline_ns and (not next_deadline or pending.deadline_ns < next_deadline):
                     next_deadline = pending.deadline_ns
                 keep.append(pending)
             self._queues[level] = keep
         return rejected, next_deadline
+
+    def _time_out(self, pending: Pending, level: int, rejected: list[Pending]) -> None:
+        """A request past its deadline: delayed behind the timely ones (DELAY policy), else onto `rejected`."""
+        if self.policy(level).delay_on_timeout:
+            pending.delayed, pending.deadline_ns = True, 0
+            self._delayed.append(pending)
+        else:
+            rejected.append(pending)
+            self.size -= 1
+            self.rows -= pending.rows
+
+
+def _without(queue: collections.deque[Pending], ids: set[int]) -> collections.deque[Pending]:
+    return collections.deque(p for p in queue if id(p) not in ids)

@@ -88,6 +88,40 @@ class SequenceBatcher(AnswersLater):
     # ---- enqueue ---------------------------------------------------------------------------------------------
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
+        corrid, start, end = self._admit(request)
+        slot = self._assigned.get(corrid)
+        backlog = self._backlog_of.get(corrid)
+        known = slot is not None or backlog is not None
+        if not start and not known:
+            raise UnknownSequenceError(
+                f"inference request for sequence {corrid} to model '{self._name}' must specify the START flag on the "
+                f"first request of the sequence"
+            )
+        now = time.monotonic_ns()
+        self._last_seen[corrid] = now
+        if start and known:
+            logger.warning(
+                "sequence %s for model '%s' has a conflict. The previous sequence did not end before this sequence "
+                "start. Previous sequence will be terminated early.", corrid, self._name,
+            )
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        pending = Pending(request, future, now, corrid, start, end)
+        self._outstanding += 1
+        self._drained.clear()
+        if not known and self._free:
+            slot = self._take_free_slot(corrid)
+        if slot is not None:
+            self._to_slot(slot, pending)
+        else:
+            self._to_backlog(pending, backlog, now)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(pending)
+            raise
+
+    def _admit(self, request: InferenceRequest) -> tuple[SequenceId, bool, bool]:
+        """The request's sequence id and START / END flags, once it passes the checks that need no sequence state."""
         if self._failure is not None:
             raise UnavailableError(f"the sequence batcher of model '{self._name}' failed: {self._failure}")
         if request.batch_size > 1:
@@ -105,43 +139,22 @@ class SequenceBatcher(AnswersLater):
         if self._stopping and start:
             raise UnavailableError(_STOPPING)
         self._check_id_type(corrid)
-        slot = self._assigned.get(corrid)
-        backlog = self._backlog_of.get(corrid)
-        if not start and slot is None and backlog is None:
-            raise UnknownSequenceError(
-                f"inference request for sequence {corrid} to model '{self._name}' must specify the START flag on the "
-                f"first request of the sequence"
-            )
-        now = time.monotonic_ns()
-        self._last_seen[corrid] = now
-        if start and (slot is not None or backlog is not None):
-            logger.warning(
-                "sequence %s for model '%s' has a conflict. The previous sequence did not end before this sequence "
-                "start. Previous sequence will be terminated early.", corrid, self._name,
-            )
-        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
-        pending = Pending(request, future, now, corrid, start, end)
-        self._outstanding += 1
-        self._drained.clear()
-        if slot is None and backlog is None and self._free:
-            index, runner = heapq.heappop(self._free)
-            slot = self._runners[runner].slots[index]
-            slot.corrid = corrid
-            self._assigned[corrid] = slot
-        if slot is not None:
-            if end:  # a later request of this id needs a START again (the slot frees once this one has run)
-                del self._assigned[corrid]
-            try:
-                slot.runner.enqueue(slot, pending)  # the oldest strategy may issue it here and now
-            except Exception as exc:
-                self._fail(exc)
-        else:
-            self._to_backlog(pending, backlog, now)
+        return corrid, start, end
+
+    def _take_free_slot(self, corrid: SequenceId) -> Slot:
+        index, runner = heapq.heappop(self._free)
+        slot = self._runners[runner].slots[index]
+        slot.corrid = corrid
+        self._assigned[corrid] = slot
+        return slot
+
+    def _to_slot(self, slot: Slot, pending: Pending) -> None:
+        if pending.end:  # a later request of this id needs a START again (the slot frees once this one has run)
+            del self._assigned[pending.corrid]
         try:
-            return await future
-        except asyncio.CancelledError:
-            self._cancel(pending)
-            raise
+            slot.runner.enqueue(slot, pending)  # the oldest strategy may issue it here and now
+        except Exception as exc:
+            self._fail(exc)
 
     def _check_id_type(self, corrid: SequenceId) -> None:
         """The id's type must be the one the model's CORRID control takes (Triton does not check, and copies the
@@ -263,9 +276,7 @@ class SequenceBatcher(AnswersLater):
         corrid = pending.corrid
         lo, hi = _sequence_span(queue, index, corrid)
         at_tail = hi == len(queue)
-        removed = [entry for entry in (queue[i] for i in range(lo, hi)) if entry is not None]
-        for _ in range(hi - lo):
-            del queue[lo]
+        removed = _cut(queue, lo, hi)
         released_by_end = any(entry.end for entry in removed)  # its END is gone: the mark must release the slot
         still_open = at_tail and not pending.end and not released_by_end and self._assigned.get(corrid) is slot
         if still_open:
@@ -360,20 +371,37 @@ def _sequence_span(entries: Sequence[Pending | None], index: int | None, corrid:
     """Where the waiting requests of one sequence lie in a slot's queue or a backlog: around `index`, back to the
     sequence's START and on to its END (a queue may also hold a restarted sequence of the same id, or the reaper's
     mark); with `index` None (a request of it left the queue), the requests at the front that continue it."""
-    lo = hi = 0
-    if index is not None:
-        lo, hi = index, index + 1
-        while lo > 0:
-            current, before = entries[lo], entries[lo - 1]
-            if current is None or current.start or before is None or before.corrid != corrid or before.end:
-                break
-            lo -= 1
+    if index is None:
+        return 0, _span_end(entries, 0, 0, corrid)
+    lo = _span_start(entries, index, corrid)
+    return lo, _span_end(entries, lo, index + 1, corrid)
+
+
+def _span_start(entries: Sequence[Pending | None], index: int, corrid: SequenceId) -> int:
+    lo = index
+    while lo > 0:
+        current, before = entries[lo], entries[lo - 1]
+        if current is None or current.start or before is None or before.corrid != corrid or before.end:
+            break
+        lo -= 1
+    return lo
+
+
+def _span_end(entries: Sequence[Pending | None], lo: int, hi: int, corrid: SequenceId) -> int:
     while hi < len(entries):
         after, last = entries[hi], entries[hi - 1] if hi > lo else None
         if after is None or after.corrid != corrid or after.start or (last is not None and last.end):
             break
         hi += 1
-    return lo, hi
+    return hi
+
+
+def _cut(queue: deque[Pending | None], lo: int, hi: int) -> list[Pending]:
+    """Remove `queue[lo:hi]`; the requests among them (not the reaper's mark)."""
+    removed = [entry for entry in (queue[i] for i in range(lo, hi)) if entry is not None]
+    for _ in range(hi - lo):
+        del queue[lo]
+    return removed
 
 
 def _serves(config: ModelConfig) -> bool:

@@ -176,35 +176,50 @@ class DirectRunner(Runner):
             await self._run(batch)
 
     async def _next_batch(self) -> list[Item | None]:
-        settings = self.owner.settings
         while True:
-            key: tuple[object, ...] | None = None
-            ready, last, earliest = 0, -1, 0
-            for slot in self.slots[: self._max_active + 1]:
-                queue = slot.queue
-                if queue and queue[0] is FORCE_END:
-                    queue.popleft()
-                    self.owner.release_slot(slot)  # a backlogged sequence may take it over, and run at once
-                if queue:
-                    front = queue[0]
-                    assert front is not None  # a slot's queue ends at its mark: a refill never holds one
-                    if key is None:
-                        key = self.shape_key(front, slot)
-                    earliest = min(earliest, front.enqueued_ns) if ready else front.enqueued_ns
-                    ready += 1
-                    last = slot.index
+            key, ready, last, earliest = self._scan()
             if last < 0:
                 self._shrink()
                 await self._wait()
                 continue
-            delay, utilization = settings.max_queue_delay_ns, settings.minimum_slot_utilization
-            if delay and utilization:
-                waited = time.monotonic_ns() - earliest
-                if waited <= delay and ready / self._batch_limit < utilization:
-                    await self._wait((delay - waited) / 1e9)
-                    continue
+            fill_s = self._fill_wait_s(ready, earliest)
+            if fill_s is not None:
+                await self._wait(fill_s)
+                continue
             assert key is not None
             return self._collect(last, key)
+
+    def _scan(self) -> tuple[tuple[object, ...] | None, int, int, int]:
+        """Free the slots the reaper marked, then look at the front of each active slot: the first ready request's
+        shape key, how many slots are ready, the highest ready one (-1: none) and the oldest ready request's time."""
+        key: tuple[object, ...] | None = None
+        ready, last, earliest = 0, -1, 0
+        for slot in self.slots[: self._max_active + 1]:
+            queue = slot.queue
+            if queue and queue[0] is FORCE_END:
+                queue.popleft()
+                self.owner.release_slot(slot)  # a backlogged sequence may take it over, and run at once
+            if not queue:
+                continue
+            front = queue[0]
+            assert front is not None  # a slot's queue ends at its mark: a refill never holds one
+            if key is None:
+                key = self.shape_key(front, slot)
+            earliest = min(earliest, front.enqueued_ns) if ready else front.enqueued_ns
+            ready += 1
+            last = slot.index
+        return key, ready, last, earliest
+
+    def _fill_wait_s(self, ready: int, earliest: int) -> float | None:
+        """How long to wait for more slots to be ready (`minimum_slot_utilization`); None: the batch goes now."""
+        settings = self.owner.settings
+        delay, utilization = settings.max_queue_delay_ns, settings.minimum_slot_utilization
+        if not (delay and utilization):
+            return None
+        waited = time.monotonic_ns() - earliest
+        if waited <= delay and ready / self._batch_limit < utilization:
+            return (delay - waited) / 1e9
+        return None
 
     def _collect(self, last: int, key: tuple[object, ...]) -> list[Item | None]:
         """A request from each slot up to `last`; a null request where a slot has none (or one of other shapes)."""
@@ -290,19 +305,27 @@ class OldestRunner(Runner):
         settings = self.owner.settings
         while self._issued:
             first = self._issued[0]
-            key = self._key(first)
-            candidate = [item for item in self._issued if self._key(item) == key][: self._limit]
+            candidate = self._candidates(first)
             preferred = max((size for size in settings.preferred_batch_sizes if size <= len(candidate)), default=0)
+            full = len(candidate) >= self._limit
             waited = time.monotonic_ns() - first.issued_ns
-            if len(candidate) < self._limit and not preferred and waited < settings.max_queue_delay_ns:
+            if not full and not preferred and waited < settings.max_queue_delay_ns:
                 await self._wait((settings.max_queue_delay_ns - waited) / 1e9)
                 continue
-            if len(candidate) < self._limit and preferred:
+            if not full and preferred:
                 candidate = candidate[:preferred]
-            taken = {id(item) for item in candidate}
-            self._issued = collections.deque(item for item in self._issued if id(item) not in taken)
+            self._take(candidate)
             return candidate
         return []
+
+    def _candidates(self, first: Item) -> list[Item]:
+        """The issued requests that can run with `first` (same shapes), oldest first, up to the batch limit."""
+        key = self._key(first)
+        return [item for item in self._issued if self._key(item) == key][: self._limit]
+
+    def _take(self, batch: list[Item]) -> None:
+        taken = {id(item) for item in batch}
+        self._issued = collections.deque(item for item in self._issued if id(item) not in taken)
 
     @staticmethod
     def _key(item: Item) -> tuple[object, ...]:

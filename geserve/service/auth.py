@@ -131,6 +131,23 @@ def load_public_key(path: Path) -> _Keys:
 
 def load_jwks(path: Path) -> _Keys:
     """A JWK set file ({"keys": [...]}) of public keys, each with a `kid` (one key alone may omit it)."""
+    entries = _jwks_entries(path)
+    keys: dict[str, jwt.PyJWK] = {}
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or entry.get("use", "sig") != "sig":
+            continue
+        key = _signing_key(path, index, entry)
+        kid = entry.get("kid")
+        if not isinstance(kid, str) and len(entries) > 1:
+            raise AuthConfigError(f"--auth-jwt-jwks: key {index} of {path} has no 'kid'")
+        keys[kid if isinstance(kid, str) else ""] = key
+    if not keys:
+        raise AuthConfigError(f"--auth-jwt-jwks: {path} holds no signing key")
+    return _Keys(jwks=keys)
+
+
+def _jwks_entries(path: Path) -> list[Any]:
+    """The non-empty 'keys' list of a JWK set file."""
     try:
         document = json.loads(path.read_text())
     except OSError as exc:
@@ -140,24 +157,18 @@ def load_jwks(path: Path) -> _Keys:
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise AuthConfigError(f"--auth-jwt-jwks: {path} holds no 'keys' list")
-    keys: dict[str, jwt.PyJWK] = {}
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or entry.get("use", "sig") != "sig":
-            continue
-        if entry.get("kty") not in ("RSA", "EC", "OKP") or "d" in entry:
-            # symmetric keys would let anyone holding them mint tokens; private keys do not belong here
-            raise AuthConfigError(f"--auth-jwt-jwks: key {index} of {path} is not a public RSA, EC or OKP key")
-        try:
-            key = jwt.PyJWK(entry)
-        except jwt.PyJWTError:  # its words quote the key: not repeated, though public
-            raise AuthConfigError(f"--auth-jwt-jwks: key {index} of {path} is not a usable signing key") from None
-        kid = entry.get("kid")
-        if not isinstance(kid, str) and len(entries) > 1:
-            raise AuthConfigError(f"--auth-jwt-jwks: key {index} of {path} has no 'kid'")
-        keys[kid if isinstance(kid, str) else ""] = key
-    if not keys:
-        raise AuthConfigError(f"--auth-jwt-jwks: {path} holds no signing key")
-    return _Keys(jwks=keys)
+    return entries
+
+
+def _signing_key(path: Path, index: int, entry: dict[str, Any]) -> jwt.PyJWK:
+    """Key `index` of the set, a public RSA, EC or OKP key."""
+    if entry.get("kty") not in ("RSA", "EC", "OKP") or "d" in entry:
+        # symmetric keys would let anyone holding them mint tokens; private keys do not belong here
+        raise AuthConfigError(f"--auth-jwt-jwks: key {index} of {path} is not a public RSA, EC or OKP key")
+    try:
+        return jwt.PyJWK(entry)
+    except jwt.PyJWTError:  # its words quote the key: not repeated, though public
+        raise AuthConfigError(f"--auth-jwt-jwks: key {index} of {path} is not a usable signing key") from None
 
 
 class JwtAuthentication:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from geserve.errors import InvalidArgumentError
-from geserve.repository.model import LoadedModel
+from geserve.repository.model import LoadedModel, TensorSpec
 from geserve.types import BY_WIRE, InferenceRequest, InputTensor, id_prefix
 
 
@@ -24,31 +24,52 @@ def expand_raw_input(model: LoadedModel, request: InferenceRequest, body: bytes)
     fixed = 1
     for dim in spec.dims:
         fixed *= 1 if dim == -1 else dim
-    variable = [k for k, d in enumerate(shape) if d == -1]
-    if len(variable) > 1:
-        raise InvalidArgumentError(
-            f"{prefix}The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
-            f"variable-sized dimension"
-        )
+    variable = _variable_dim(spec, shape)
     if datatype.wire == "BYTES":
-        if variable or fixed != 1:
-            raise InvalidArgumentError(
-                f"{prefix}For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
-            )
-        data = np.empty(1, dtype=object)
-        data[0] = body
+        data = _bytes_input(spec, body, variable is not None or fixed != 1)
     else:
-        if variable:
-            shape[variable[0]] = len(body) // (fixed * datatype.itemsize) if fixed else 0
-        count = 1
-        for dim in shape:
-            count *= dim
-        if count * datatype.itemsize != len(body):
-            raise InvalidArgumentError(
-                f"{prefix}input byte size mismatch for input '{spec.name}' for model '{model.name}'. "
-                f"Expected {count * datatype.itemsize}, got {len(body)}"
-            )
-        data = np.frombuffer(body, dtype=datatype.numpy, count=count)
+        data = _fixed_size_input(model, spec, shape, variable, fixed, body)
     shape_t = tuple(shape)
     request.inputs = [InputTensor(spec.name, datatype.wire, shape_t, data.reshape(shape_t))]
     request.parameters = {"binary_data_output": True}
+
+
+def _variable_dim(spec: TensorSpec, shape: list[int]) -> int | None:
+    """The one variable-size dim of the input's shape, if any (more cannot be deduced)."""
+    variable = [k for k, d in enumerate(shape) if d == -1]
+    if len(variable) > 1:
+        raise InvalidArgumentError(
+            f"{id_prefix('')}The shape of the raw input '{spec.name}' can not be deduced because there are more than "
+            f"one variable-sized dimension"
+        )
+    return variable[0] if variable else None
+
+
+def _bytes_input(spec: TensorSpec, body: bytes, not_one: bool) -> np.ndarray:
+    """A raw BYTES input: the body is its one element; the model's shape must be [1] (`not_one` when not)."""
+    if not_one:
+        raise InvalidArgumentError(
+            f"{id_prefix('')}For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
+        )
+    data = np.empty(1, dtype=object)
+    data[0] = body
+    return data
+
+
+def _fixed_size_input(
+    model: LoadedModel, spec: TensorSpec, shape: list[int], variable: int | None, fixed: int, body: bytes
+) -> np.ndarray:
+    """The elements of a raw input of a fixed-size datatype, setting its variable dim (`shape[variable]`) from the
+    body's length; the body must fill the shape exactly."""
+    datatype = BY_WIRE[spec.wire_type]
+    if variable is not None:
+        shape[variable] = len(body) // (fixed * datatype.itemsize) if fixed else 0
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count * datatype.itemsize != len(body):
+        raise InvalidArgumentError(
+            f"{id_prefix('')}input byte size mismatch for input '{spec.name}' for model '{model.name}'. "
+            f"Expected {count * datatype.itemsize}, got {len(body)}"
+        )
+    return np.frombuffer(body, dtype=datatype.numpy, count=count)

@@ -29,6 +29,11 @@ gets numpy's "read-only" error instead of silently changing every later answer.
 Threads. The cache is used from the event loop only (the service's infer path runs there; BLS calls from model
 threads are scheduled onto it), so it takes no lock.
 
+Workers. This is one process's cache. The workers of a server (`--workers N`) share one instead, in shared memory
+(shared_cache.py: `SharedResponseCache`, the same `execute` over a table every worker maps), so that a response any
+worker cached is a hit on all of them and `size` bounds the server's entries; a worker's link puts it in place of
+this one when the worker joins the server. A single process keeps this one: its hit path is a dictionary lookup.
+
 Statistics, as Triton keeps them: a hit is a success whose duration is the whole request, with `cache_hit` counting
 its lookup time; it runs nothing, so `inference_count`, `execution_count` and the compute durations do not grow. A
 miss is counted in `cache_miss` with its lookup and insertion time once the model answered successfully, and the
@@ -204,12 +209,11 @@ def _shared(output: OutputTensor) -> OutputTensor:
     return OutputTensor(output.name, output.datatype, output.shape, output.data, dict(output.parameters))
 
 
-def _key_header(model: LoadedModel, request: InferenceRequest) -> bytes:
+def _key_header(model: LoadedModel, request: InferenceRequest, load: object) -> bytes:
     """Everything but the input bytes, as one deterministic text (ints as ints, whatever type a frontend used)."""
     inputs = [(t.name, t.datatype, tuple(int(d) for d in t.shape)) for t in sorted(request.inputs, key=_name)]
     outputs = None if request.outputs is None else [(o.name, o.classification) for o in request.outputs]
     parameters = sorted((k, repr(v)) for k, v in request.parameters.items() if k not in _NOT_IN_KEY)
-    load = model.response_cache  # the load's own number: a reloaded model starts with no entries
     return repr((model.name, model.version, load, request.identity, inputs, outputs, parameters)).encode()
 
 
@@ -217,10 +221,12 @@ def _name(tensor: OutputTensor) -> str:
     return tensor.name
 
 
-def request_key(model: LoadedModel, request: InferenceRequest) -> bytes:
-    """The cache key of a validated request on `model` (see the module docstring for what it covers)."""
+def request_key(model: LoadedModel, request: InferenceRequest, load: object = None) -> bytes:
+    """The cache key of a validated request on `model` (see the module docstring for what it covers). `load` names
+    the model's load: by default its own number (a reloaded model starts with no entries); a cache the workers of a
+    server share passes the server's (shared_cache.py)."""
     digest = hashlib.sha256()
-    header = _key_header(model, request)
+    header = _key_header(model, request, model.response_cache if load is None else load)
     digest.update(len(header).to_bytes(_LENGTH, "little"))
     digest.update(header)
     for tensor in sorted(request.inputs, key=_name):
@@ -230,8 +236,8 @@ def request_key(model: LoadedModel, request: InferenceRequest) -> bytes:
     return digest.digest()
 
 
-async def request_key_async(model: LoadedModel, request: InferenceRequest) -> bytes:
+async def request_key_async(model: LoadedModel, request: InferenceRequest, load: object = None) -> bytes:
     """`request_key`, in a worker thread when the inputs are large enough to stall the event loop."""
     if sum(t.data.nbytes for t in request.inputs) > _HASH_ON_LOOP_BYTES:
-        return await asyncio.to_thread(request_key, model, request)
-    return request_key(model, request)
+        return await asyncio.to_thread(request_key, model, request, load)
+    return request_key(model, request, load)

@@ -55,32 +55,42 @@ def parse_restrictions(specs: Iterable[str], transport: Transport) -> dict[ApiGr
     option, kind = ("http-restricted-api", "api") if http else ("grpc-restricted-protocol", "protocol")
     rules: dict[ApiGroup, Restriction] = {}
     for spec in specs:
-        names, colon, setting = spec.partition(":")
-        key, equals, value = setting.partition("=")
-        if not names or not key or not equals or not value:
-            # the argument's groups and key only: the rest may be the secret (or a key that was meant to be one)
-            shown = f"{names}:{key}=..." if equals else f"{names}:..." if colon else "..."
-            raise RestrictionError(
-                f"--{option} option format is '<{kind}s>:<key>=<value>'. Got '{shown}'"
-            )
+        names, key, value = _split(spec, option, kind)
         header = key if http else GRPC_KEY_PREFIX + key
         if http:
             refusal: GeserveError = PermissionDeniedError(f"This API is restricted, expecting header '{header}'")
         else:
             refusal = UnavailableError(f"This protocol is restricted, expecting header '{header}'")
         for name in names.split(","):
-            try:
-                group = ApiGroup(name)
-            except ValueError:
-                raise RestrictionError(
-                    f"unknown restricted {kind} '{name}' (--{option}); allowed: {_GROUP_NAMES}"
-                ) from None
+            group = _group(name, option, kind)
             if group in rules:
                 raise RestrictionError(
                     f"restricted {kind} '{name}' can not be specified in multiple config groups (--{option})"
                 )
             rules[group] = Restriction(header.lower(), value.encode(), refusal)
     return rules
+
+
+def _split(spec: str, option: str, kind: str) -> tuple[str, str, str]:
+    """A flag's groups, key and value, none of them empty."""
+    names, colon, setting = spec.partition(":")
+    key, equals, value = setting.partition("=")
+    if not names or not key or not equals or not value:
+        # the argument's groups and key only: the rest may be the secret (or a key that was meant to be one)
+        shown = f"{names}:{key}=..." if equals else f"{names}:..." if colon else "..."
+        raise RestrictionError(
+            f"--{option} option format is '<{kind}s>:<key>=<value>'. Got '{shown}'"
+        )
+    return names, key, value
+
+
+def _group(name: str, option: str, kind: str) -> ApiGroup:
+    try:
+        return ApiGroup(name)
+    except ValueError:
+        raise RestrictionError(
+            f"unknown restricted {kind} '{name}' (--{option}); allowed: {_GROUP_NAMES}"
+        ) from None
 
 
 class RestrictedApis:

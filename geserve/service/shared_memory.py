@@ -86,6 +86,16 @@ class SharedMemoryRegistry:
             raise UnsupportedError(DISABLED)
         with self._lock:
             self._check_free(name)
+        memory = self._map(key, offset, byte_size)
+        region = _Region(RegionStatus(name, key, offset, byte_size), memory, memoryview(memory)[offset:])
+        with self._lock:
+            if name in self._regions or name in self._cuda:
+                _close(region)
+            self._check_free(name)
+            self._regions[name] = region
+
+    def _map(self, key: str, offset: int, byte_size: int) -> mmap.mmap:
+        """The object `key` names under the root, mapped up to the registered window's end."""
         path = self._root / key.lstrip("/")
         if not key.strip("/") or "/" in key.strip("/") or "\0" in key:  # a NUL would fail os.open with ValueError
             raise InternalError(f"Unable to open shared memory region: '{key}'")
@@ -97,17 +107,11 @@ class SharedMemoryRegistry:
             size = os.fstat(fd).st_size
             if byte_size <= 0 or offset < 0 or offset + byte_size > size:  # mapping past the end would SIGBUS
                 raise InternalError(f"Invalid shared memory region: '{key}'")
-            memory = mmap.mmap(fd, offset + byte_size)
+            return mmap.mmap(fd, offset + byte_size)
         except OSError:
             raise InternalError(f"Invalid shared memory region: '{key}'") from None
         finally:
             os.close(fd)
-        region = _Region(RegionStatus(name, key, offset, byte_size), memory, memoryview(memory)[offset:])
-        with self._lock:
-            if name in self._regions or name in self._cuda:
-                _close(region)
-            self._check_free(name)
-            self._regions[name] = region
 
     def _check_free(self, name: str) -> None:
         if name in self._regions or name in self._cuda:

@@ -26,6 +26,15 @@ def prepare(model: LoadedModel, request: InferenceRequest) -> None:
     """Validate `request` and put its inputs in the model's order; sets `request.batch_size`."""
     if request.outputs:
         _refuse_repeated_outputs(request)
+    by_name = _inputs_by_name(model, request)
+    request.batch_size = _check_shapes(model, request, by_name)
+    request.inputs = [by_name[n] for n in model.input_order if n in by_name]
+    if request.outputs is not None:
+        _check_outputs(model, request)
+
+
+def _inputs_by_name(model: LoadedModel, request: InferenceRequest) -> dict[str, InputTensor]:
+    """The request's inputs by name, each one the model has, once, of its datatype; none it requires missing."""
     specs = model.inputs
     by_name: dict[str, InputTensor] = {}
     for tensor in request.inputs:
@@ -51,18 +60,19 @@ def prepare(model: LoadedModel, request: InferenceRequest) -> None:
                 f"{_names_text(missing)}. "
                 f"Please provide all required input(s)."
             )
-    request.batch_size = _check_shapes(model, request, by_name)
-    request.inputs = [by_name[n] for n in model.input_order if n in by_name]
-    if request.outputs is not None:
-        for output in request.outputs:
-            if output.name not in model.outputs:
-                raise InvalidArgumentError(
-                    f"unexpected inference output '{output.name}' for model '{model.name}'"
-                )
-            if output.classification < 0:
-                raise InvalidArgumentError(
-                    f"{_prefix(request)}'classification' of output '{output.name}' must be a positive integer"
-                )
+    return by_name
+
+
+def _check_outputs(model: LoadedModel, request: InferenceRequest) -> None:
+    for output in request.outputs or ():
+        if output.name not in model.outputs:
+            raise InvalidArgumentError(
+                f"unexpected inference output '{output.name}' for model '{model.name}'"
+            )
+        if output.classification < 0:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}'classification' of output '{output.name}' must be a positive integer"
+            )
 
 
 def _refuse_repeated_outputs(request: InferenceRequest) -> None:
@@ -87,18 +97,7 @@ def _check_shapes(model: LoadedModel, request: InferenceRequest, inputs: dict[st
             if not _dims_match(model.inputs[name].dims, tensor.shape):
                 _bad_shape(model, request, name, model.inputs[name].dims, tensor.shape)
         return 1
-    batch: int | None = None
-    for name, tensor in inputs.items():
-        if not tensor.shape:
-            raise InvalidArgumentError(
-                f"{_prefix(request)}input '{name}' has no shape but model requires batch dimension for '{model.name}'"
-            )
-        if batch is None:
-            batch = tensor.shape[0]
-        elif tensor.shape[0] != batch:
-            raise InvalidArgumentError(
-                f"{_prefix(request)}input '{name}' batch size does not match other inputs for '{model.name}'"
-            )
+    batch = _batch_dim(model, request, inputs)
     if batch is None:
         return 1
     if batch > max_batch:
@@ -111,6 +110,23 @@ def _check_shapes(model: LoadedModel, request: InferenceRequest, inputs: dict[st
         dims = model.inputs[name].dims
         if not _dims_match(dims, tensor.shape[1:]):
             _bad_shape(model, request, name, (-1, *dims), tensor.shape)
+    return batch
+
+
+def _batch_dim(model: LoadedModel, request: InferenceRequest, inputs: dict[str, InputTensor]) -> int | None:
+    """The batch dim every input has, the same in all; None without inputs."""
+    batch: int | None = None
+    for name, tensor in inputs.items():
+        if not tensor.shape:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}input '{name}' has no shape but model requires batch dimension for '{model.name}'"
+            )
+        if batch is None:
+            batch = tensor.shape[0]
+        elif tensor.shape[0] != batch:
+            raise InvalidArgumentError(
+                f"{_prefix(request)}input '{name}' batch size does not match other inputs for '{model.name}'"
+            )
     return batch
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from geserve.config import read_model_config
+from geserve.config import ModelConfig, read_model_config
 from geserve.errors import GeserveError
 from geserve.tune import perf_analyzer
 from geserve.tune.progress import Progress
 from geserve.tune.report import markdown, winner
 from geserve.tune.server import TuneServer, TuneServerError, copy_model
 from geserve.tune.space import Space, apply, candidates, is_ge_model
-from geserve.tune.sweep import Sweep, SweepOptions
+from geserve.tune.sweep import Point, Sweep, SweepOptions
 
 EXIT_OK, EXIT_NO_WINNER, EXIT_ERROR = 0, 1, 2
 REPORT, CONFIG, PLOT, SERVER_LOG = "report.md", "config.pbtxt", "tune.png", "server.log"
@@ -84,22 +84,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     model_dir = args.model_repository / args.model
-    if not model_dir.is_dir():
-        raise TuneServerError(f"no model folder {model_dir}")
-    reason = perf_analyzer.unavailable_reason()
-    if reason:
-        raise TuneServerError(reason)
-    base = read_model_config(model_dir, allow_missing=False)
-    base.name = args.model
+    base = _base_config(args, model_dir)
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip()) if args.compiler_variants else ()
     space = Space(args.instances, args.max_batch_sizes, args.queue_delays_us, precisions, args.compiler_variants)
     tried = candidates(base, space)
-    options = SweepOptions(
-        model=args.model, concurrencies=args.concurrency, budget_ms=args.latency_budget_ms, protocol=args.protocol,
-        percentile=args.percentile, window_ms=args.measurement_interval_ms, stability=args.stability_percentage,
-        max_trials=args.max_trials, busy_limit=args.busy_limit, max_repeats=args.max_repeats,
-        quiet_wait_s=args.quiet_wait_s, perf_analyzer_args=tuple(shlex.split(args.perf_analyzer_args)),
-    )  # fmt: skip
+    options = _sweep_options(args)
     output = args.output_dir or Path(f"tune-{args.model}")
     output.mkdir(parents=True, exist_ok=True)
     if args.compiler_variants and not is_ge_model(base):
@@ -114,21 +103,57 @@ def _run(args: argparse.Namespace) -> int:
             points = Sweep(server, base, options, progress).run(tried)
 
     best = winner(points)
-    config_text = None
-    if best is not None:
-        config_text = text_format.MessageToString(apply(base, best.candidate))
-        (output / CONFIG).write_text(config_text)
-    plot_name: str | None = PLOT
+    config_text = _write_config(base, best, output)
+    plot_name = _write_plot(points, options, output)
+    command = shlex.join(["geserve", "tune", *sys.argv[2:]]) if sys.argv[1:2] == ["tune"] else "geserve tune"
+    (output / REPORT).write_text(markdown(points, options, command=command, config_text=config_text,
+                                          plot_name=plot_name, elapsed_s=time.monotonic() - started))
+    return _print_result(best, options, output, plot_name)
+
+
+def _base_config(args: argparse.Namespace, model_dir: Path) -> ModelConfig:
+    """The model's own config, once the folder and perf_analyzer are known to be there."""
+    if not model_dir.is_dir():
+        raise TuneServerError(f"no model folder {model_dir}")
+    reason = perf_analyzer.unavailable_reason()
+    if reason:
+        raise TuneServerError(reason)
+    base = read_model_config(model_dir, allow_missing=False)
+    base.name = args.model
+    return base
+
+
+def _sweep_options(args: argparse.Namespace) -> SweepOptions:
+    return SweepOptions(
+        model=args.model, concurrencies=args.concurrency, budget_ms=args.latency_budget_ms, protocol=args.protocol,
+        percentile=args.percentile, window_ms=args.measurement_interval_ms, stability=args.stability_percentage,
+        max_trials=args.max_trials, busy_limit=args.busy_limit, max_repeats=args.max_repeats,
+        quiet_wait_s=args.quiet_wait_s, perf_analyzer_args=tuple(shlex.split(args.perf_analyzer_args)),
+    )  # fmt: skip
+
+
+def _write_config(base: ModelConfig, best: Point | None, output: Path) -> str | None:
+    """The winner's config.pbtxt text, written to `output`; None without a winner."""
+    if best is None:
+        return None
+    config_text = text_format.MessageToString(apply(base, best.candidate))
+    (output / CONFIG).write_text(config_text)
+    return config_text
+
+
+def _write_plot(points: list[Point], options: SweepOptions, output: Path) -> str | None:
+    """The plot's file name, or None where matplotlib is missing."""
     try:
         from geserve.tune.plot import write_plot
 
         write_plot(points, options, output / PLOT)
     except ImportError:
-        plot_name = None
         print("tune: no plot: matplotlib is missing (pip install 'geserve[tune]')", file=sys.stderr)
-    command = shlex.join(["geserve", "tune", *sys.argv[2:]]) if sys.argv[1:2] == ["tune"] else "geserve tune"
-    (output / REPORT).write_text(markdown(points, options, command=command, config_text=config_text,
-                                          plot_name=plot_name, elapsed_s=time.monotonic() - started))
+        return None
+    return PLOT
+
+
+def _print_result(best: Point | None, options: SweepOptions, output: Path, plot_name: str | None) -> int:
     if best is None or best.measurement is None:
         print(f"no configuration kept p{options.percentile} within {options.budget_ms:g} ms; see {output / REPORT}")
         return EXIT_NO_WINNER

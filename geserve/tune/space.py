@@ -49,24 +49,38 @@ def candidates(base: ModelConfig, space: Space) -> list[Candidate]:
     """Every point of the space the model admits: batch sizes above the model's own limit are dropped (a model
     without batching, max_batch_size 0, is swept over instances only), and a queue delay only matters with
     batching. Compiler variants apply to GE models only."""
+    precisions, gear_choices = _compiler_variants(base, space)
+    found: list[Candidate] = []
+    for instances, size, precision, geared in itertools.product(space.instances, _batch_sizes(base, space),
+                                                                  precisions, gear_choices):
+        batching = size > 1
+        if geared and not batching:
+            continue
+        gears = _power_gears(size) if geared else ()
+        for delay in space.queue_delays_us if batching else [None]:
+            found.append(Candidate(instances, size, delay, gears, precision))
+    return list(dict.fromkeys(found))
+
+
+def _batch_sizes(base: ModelConfig, space: Space) -> list[int]:
     if base.max_batch_size <= 0:
-        sizes = [0]
-    else:
-        sizes = sorted({min(size, base.max_batch_size) for size in space.max_batch_sizes if size >= 1})
+        return [0]
+    return sorted({min(size, base.max_batch_size) for size in space.max_batch_sizes if size >= 1})
+
+
+def _compiler_variants(base: ModelConfig, space: Space) -> tuple[list[str], list[bool]]:
+    """The precisions ("": the model's own) and whether to try gears, as the model admits them."""
     precisions: list[str] = [""]
     gear_choices: list[bool] = [False]
     if is_ge_model(base):
         precisions += [p for p in space.precisions if p and p != "force_fp32"]
         gear_choices += [True] if space.gears else []
-    found: list[Candidate] = []
-    for instances, size, precision, geared in itertools.product(space.instances, sizes, precisions, gear_choices):
-        batching = size > 1
-        if geared and not batching:
-            continue
-        gears = (*(2**k for k in range(size.bit_length()) if 2**k < size), size) if geared else ()
-        for delay in space.queue_delays_us if batching else [None]:
-            found.append(Candidate(instances, size, delay, gears, precision))
-    return list(dict.fromkeys(found))
+    return precisions, gear_choices
+
+
+def _power_gears(size: int) -> tuple[int, ...]:
+    """The powers of two below `size`, then `size`."""
+    return (*(2**k for k in range(size.bit_length()) if 2**k < size), size)
 
 
 def apply(base: ModelConfig, candidate: Candidate) -> ModelConfig:

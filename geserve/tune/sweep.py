@@ -104,24 +104,34 @@ class Sweep:
 
     def _measure(self, candidate: Candidate, concurrency: int) -> Point:
         o = self.options
-        repeats = 0
-        while True:
-            with machine.others_share() as share:
-                measurement, output = self._run(concurrency, o.window_ms, o.stability, o.max_trials)
-            others = share[0] if share else None
-            busy = others is not None and others > o.busy_limit
-            if not busy or repeats >= o.max_repeats or self.quiet_left_s <= 0:
-                break
-            repeats += 1
-            self.progress.note(f"{candidate.label} c={concurrency}: other processes used {others:.0%} of the CPUs; "
-                               f"measuring again ({repeats}/{o.max_repeats})")
-            self._wait_for_quiet()
-        note = f"machine busy ({others:.0%} used by others)" if busy and others is not None else ""
+        measurement, output, others, repeats = self._measure_quietly(candidate, concurrency)
+        note = f"machine busy ({others:.0%} used by others)" if self._busy(others) and others is not None else ""
         if measurement is None:
             self.progress.note(f"{candidate.label} c={concurrency}: perf_analyzer gave no result: {output[-300:]}")
             return Point(candidate, concurrency, FAILED, None, others, repeats, "perf_analyzer gave no result")
         within = measurement.latency_us <= o.budget_ms * 1000
         return Point(candidate, concurrency, MEASURED if within else OVER_BUDGET, measurement, others, repeats, note)
+
+    def _measure_quietly(
+        self, candidate: Candidate, concurrency: int
+    ) -> tuple[Measurement | None, str, float | None, int]:
+        """perf_analyzer's measurement and output, the others' CPU share during it, and the repeats it took: a
+        measurement on a busy machine is repeated while repeats and the sweep's quiet-wait time last."""
+        o = self.options
+        repeats = 0
+        while True:
+            with machine.others_share() as share:
+                measurement, output = self._run(concurrency, o.window_ms, o.stability, o.max_trials)
+            others = share[0] if share else None
+            if not self._busy(others) or repeats >= o.max_repeats or self.quiet_left_s <= 0:
+                return measurement, output, others, repeats
+            repeats += 1
+            self.progress.note(f"{candidate.label} c={concurrency}: other processes used {others:.0%} of the CPUs; "
+                               f"measuring again ({repeats}/{o.max_repeats})")
+            self._wait_for_quiet()
+
+    def _busy(self, others: float | None) -> bool:
+        return others is not None and others > self.options.busy_limit
 
     def _wait_for_quiet(self) -> None:
         started = time.monotonic()

@@ -1,5 +1,7 @@
-"""A worker's link to its supervisor: the `Cluster` its service uses (service/cluster.py), and the calls the
-supervisor makes on this worker (control calls, metrics, forwarded sequence requests, the server's readiness)."""
+"""A worker's link to its supervisor: the `Cluster` its service uses (service/cluster.py), the calls the
+supervisor makes on this worker (control calls, metrics, forwarded sequence requests, the server's readiness), and
+the server's response cache, which every worker shares (service/shared_cache.py): when this worker joins, its
+service's own cache gives way to the server's, and each control call tells that cache which loads it made."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from geserve.errors import InternalError
+from geserve.repository.model import LoadedModel
 from geserve.service.service import InferenceService
+from geserve.service.shared_cache import SharedResponseCache, SharedTable
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.workers.dispatch import HANDOFF_VARIABLE, Adopter, Receiver
 from geserve.workers.wire import Peer
@@ -22,15 +26,22 @@ logger = logging.getLogger(__name__)
 SOCKET_VARIABLE = "GESERVE_WORKER_SOCKET"
 INDEX_VARIABLE = "GESERVE_WORKER_INDEX"
 COUNT_VARIABLE = "GESERVE_WORKER_COUNT"
+CACHE_VARIABLE = "GESERVE_WORKER_CACHE_FD"  # the server's response cache segment, with --cache-config
 
 
 class WorkerLink:
     """Connects to the supervisor's socket; `join` takes the server's control state (models loaded and unloaded,
     shared memory regions, log settings) before this worker serves."""
 
-    def __init__(self, socket_path: str, index: int, count: int, handoff: socket.socket | None = None) -> None:
+    def __init__(
+        self, socket_path: str, index: int, count: int, handoff: socket.socket | None = None,
+        cache_fd: int | None = None,
+    ) -> None:
         self.socket_path = socket_path
         self.handoff = handoff  # where the supervisor hands this worker its connections (workers/dispatch.py)
+        self.cache_fd = cache_fd  # the server's response cache segment (service/shared_cache.py)
+        self.cache: SharedResponseCache | None = None  # the service's cache once joined, with a segment
+        self._models: Callable[[], list[LoadedModel]] | None = None
         self._receiver: Receiver | None = None
         self.index = index
         self.count = count  # workers in the server
@@ -51,8 +62,9 @@ class WorkerLink:
         if not path:
             return None
         handoff = os.environ.get(HANDOFF_VARIABLE)
+        cache = os.environ.get(CACHE_VARIABLE)
         return cls(path, int(os.environ.get(INDEX_VARIABLE, "0")), int(os.environ.get(COUNT_VARIABLE, "1")),
-                   socket.socket(fileno=int(handoff)) if handoff else None)
+                   socket.socket(fileno=int(handoff)) if handoff else None, int(cache) if cache else None)
 
     @property
     def ready(self) -> bool:
@@ -63,14 +75,33 @@ class WorkerLink:
         to its socket, removed when the supervisor stops."""
         return os.path.join(os.path.dirname(self.socket_path), name)
 
-    async def join(self, service: InferenceService, metrics: Callable[[], bytes]) -> None:
-        """Connect, and receive the control calls the server has run so far (the supervisor replays them)."""
+    async def join(
+        self, service: InferenceService, metrics: Callable[[], bytes],
+        models: Callable[[], list[LoadedModel]] | None = None,
+    ) -> None:
+        """Connect, and receive the control calls the server has run so far (the supervisor replays them).
+        `models`: the models this worker serves, by which the server's response cache learns which control call
+        loaded each; without it, this worker keeps a cache of its own."""
         self._service, self._metrics = service, metrics
+        if models is not None:
+            self._share_cache(service, models)
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         peer = self._peer = Peer(reader, writer, self._handle)
         peer.start()
         await peer.call("join", self.index, os.getpid())
         self._watch = asyncio.create_task(self._stop_with_supervisor(peer), name="worker-supervisor-watch")
+
+    def _share_cache(self, service: InferenceService, models: Callable[[], list[LoadedModel]]) -> None:
+        """The server's response cache replaces the service's own (the same `--cache-config` made both); the models
+        loaded so far are those of this worker's start."""
+        if self.cache_fd is None or service.response_cache is None:
+            return
+        table = SharedTable(self.cache_fd)  # a description of its own: the inherited one is not needed any more
+        os.close(self.cache_fd)
+        self.cache_fd, self._models = None, models
+        self.cache = SharedResponseCache(table)
+        self.cache.loaded_at_start(models())
+        service.response_cache = self.cache
 
     def receive_connections(self, adopters: dict[bytes, Adopter]) -> None:
         """Serve the connections the supervisor hands over, each with the adopter of its kind."""
@@ -108,7 +139,7 @@ class WorkerLink:
         service = self._service
         assert service is not None
         if method == "control":
-            return await service.run_control(*args)
+            return await self._control(service, *args)
         if method == "run_forwarded":
             return await service.run_forwarded(*args)
         if method == "metrics":
@@ -120,6 +151,20 @@ class WorkerLink:
             self.on_stop()
             return None
         raise InternalError(f"unknown call '{method}' from the supervisor")
+
+    async def _control(
+        self, service: InferenceService, method: str, args: tuple[Any, ...], number: int | None = None
+    ) -> Any:
+        """The server's control call `number` (the supervisor runs one at a time): the loads it makes are its, in
+        the shared response cache's keys."""
+        cache, models = self.cache, self._models
+        if cache is None or models is None or number is None:
+            return await service.run_control(method, args)
+        cache.control_started(number)
+        try:
+            return await service.run_control(method, args)
+        finally:
+            cache.control_ended(models())
 
     async def _stop_with_supervisor(self, peer: Peer) -> None:
         """A worker whose supervisor is gone (killed) drains and exits as on SIGTERM, rather than serve alone."""

@@ -23,6 +23,16 @@ class _Family:
     rule: str = "sum"
     samples: dict[str, float] = field(default_factory=dict)  # `name{labels}` -> value
 
+    def add(self, key: str, value: float) -> None:
+        """Another worker's sample: summed, the largest kept (quantiles, max gauges), or the first's kept."""
+        samples = self.samples
+        if key not in samples:
+            samples[key] = value
+        elif 'quantile="' in key or self.rule == "max":
+            samples[key] = max(samples[key], value)
+        elif self.rule == "sum":
+            samples[key] += value
+
 
 def _rule(name: str, kind: str) -> str:
     if kind == "gauge":
@@ -37,35 +47,7 @@ def merge_expositions(texts: Sequence[str]) -> bytes:
     """One exposition with every family of `texts`, one line per sample name and labels."""
     families: dict[str, _Family] = {}
     for text in texts:
-        current: _Family | None = None
-        for line in text.splitlines():
-            if not line:
-                continue
-            if line.startswith("#"):
-                parts = line.split(" ", 3)
-                if len(parts) < 3:
-                    continue
-                name = parts[2]
-                known = families.get(name)
-                if known is None:
-                    known = families[name] = _Family([])
-                if parts[1] == "TYPE" and len(parts) == 4:
-                    known.rule = _rule(name, parts[3])
-                if len(known.comments) < 2 and line not in known.comments:
-                    known.comments.append(line)
-                current = known
-                continue
-            key, _, raw = line.rpartition(" ")
-            if current is None:  # a sample before any TYPE line: its own untyped family
-                current = families.setdefault(key.split("{", 1)[0], _Family([]))
-            value = float(raw)
-            samples = current.samples
-            if key not in samples:
-                samples[key] = value
-            elif 'quantile="' in key or current.rule == "max":
-                samples[key] = max(samples[key], value)
-            elif current.rule == "sum":
-                samples[key] += value
+        _merge_text(families, text)
     lines: list[str] = []
     for family in families.values():
         if family.samples:
@@ -73,3 +55,35 @@ def merge_expositions(texts: Sequence[str]) -> bytes:
             lines += [f"{key} {format_value(value)}" for key, value in family.samples.items()]
     lines.append("")
     return "\n".join(lines).encode()
+
+
+def _merge_text(families: dict[str, _Family], text: str) -> None:
+    """One worker's exposition into `families`: a sample belongs to the family of the comments before it."""
+    current: _Family | None = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            described = _comment(families, line)
+            if described is not None:
+                current = described
+        elif line:
+            key, _, raw = line.rpartition(" ")
+            if current is None:  # a sample before any TYPE line: its own untyped family
+                current = families.setdefault(key.split("{", 1)[0], _Family([]))
+            current.add(key, float(raw))
+
+
+def _comment(families: dict[str, _Family], line: str) -> _Family | None:
+    """The family a comment names (`# HELP <name> ...`, `# TYPE <name> <kind>`: its rule from TYPE, its first two
+    comments kept); None for a comment too short to name one."""
+    parts = line.split(" ", 3)
+    if len(parts) < 3:
+        return None
+    name = parts[2]
+    known = families.get(name)
+    if known is None:
+        known = families[name] = _Family([])
+    if parts[1] == "TYPE" and len(parts) == 4:
+        known.rule = _rule(name, parts[3])
+    if len(known.comments) < 2 and line not in known.comments:
+        known.comments.append(line)
+    return known

@@ -7,6 +7,8 @@ unload, shared memory regions, log settings), gathers their statistics and metri
 itself), tells them when all are ready, restarts a worker that dies (replaying the control calls the server ran,
 so it comes back with the same models), and forwards a sequence's request to the worker that holds the sequence.
 Models live in every worker (see docs/guide/workers.md and docs/design.md for the measurement behind that choice).
+With `--cache-config`, it creates the server's response cache, a shared memory segment every worker maps
+(service/shared_cache.py), and numbers its control calls, so that a load has the same number in every worker.
 
 In poll mode the supervisor, not a worker, scans the repositories (repository/poller.py), once per interval, and
 broadcasts what changed as `poll_load` / `poll_unload` control calls, kept and replayed like explicit loads: every
@@ -42,9 +44,11 @@ from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
 from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
+from geserve.service.response_cache import CacheConfigError, build_response_cache
+from geserve.service.shared_cache import create_segment
 from geserve.settings import ServerSettings
 from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors
-from geserve.workers.link import COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
+from geserve.workers.link import CACHE_VARIABLE, COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
 from geserve.workers.wire import Peer, PeerGone
 
@@ -88,8 +92,9 @@ class Supervisor:
         self.settings = settings
         self.argv = list(argv)
         self.workers = [_Worker(i) for i in range(count)]
-        self._replay: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
+        self._replay: dict[tuple[str, str], tuple[str, tuple[Any, ...], int]] = {}  # with each call's number
         self._changes = itertools.count()
+        self._calls = itertools.count(1)  # the control calls' numbers (0: the loads of a worker's start)
         self._held: list[socket.socket] = []
         self._control = asyncio.Lock()  # one control call of the server at a time, joins included
         self._stopping = False
@@ -104,6 +109,7 @@ class Supervisor:
         polling = settings.model_control_mode == "poll"
         store = ModelStore(settings.model_repositories)
         self._poller = RepositoryPoller(store, _EveryWorker(self), settings.repository_poll_secs) if polling else None
+        self._cache_fd = _cache_segment(settings)
 
     # ---- the life of the server --------------------------------------------------------------------
 
@@ -148,6 +154,8 @@ class Supervisor:
                 holder.close()
             if self._metrics is not None:
                 await self._metrics.stop()
+            if self._cache_fd is not None:
+                os.close(self._cache_fd)
             self._folder.cleanup()
 
     async def _start_all(self, stop: asyncio.Event) -> bool:
@@ -191,13 +199,17 @@ class Supervisor:
             COUNT_VARIABLE: str(len(self.workers)),
             HANDOFF_VARIABLE: str(channel.fileno()),
         })
+        passed = [channel.fileno()]
+        if self._cache_fd is not None:
+            environment[CACHE_VARIABLE] = str(self._cache_fd)
+            passed.append(self._cache_fd)
         worker.serving, worker.peer, worker.started_at = False, None, time.monotonic()
         # A session of its own: a terminal's Ctrl-C or hangup reaches the supervisor, which decides for the workers
         # (a worker still importing would die of a SIGHUP it cannot handle yet).
         try:
             worker.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "geserve", "serve", *self.argv, env=environment, start_new_session=True,
-                pass_fds=(channel.fileno(),),
+                pass_fds=passed,
             )
         finally:
             channel.close()  # the worker's end is the worker's
@@ -234,12 +246,7 @@ class Supervisor:
         self._dispatch.close()  # no new connections; the workers drain theirs
         self._send_ready()
         for worker in self.workers:
-            if worker.process is not None and worker.process.returncode is None:
-                if worker.peer is not None:
-                    worker.peer.notify("stop")
-                else:
-                    with contextlib.suppress(ProcessLookupError):
-                        worker.process.send_signal(signal.SIGTERM)
+            _tell_to_stop(worker)
         deadline = self.settings.exit_timeout_secs + _STOP_GRACE_SECS
         processes = [w.process for w in self.workers if w.process is not None]
         try:
@@ -334,9 +341,9 @@ class Supervisor:
         """A worker that has loaded its initial models gets the control calls the server ran since it started,
         then takes part in every later one."""
         async with self._control:
-            for method, args in list(self._replay.values()):
+            for method, args, number in list(self._replay.values()):
                 try:
-                    await peer.call("control", method, args)
+                    await peer.call("control", method, args, number)
                 except GeserveError as exc:  # it failed on the others too when it ran (a bad config, say)
                     logger.info("worker %d: replayed %s failed: %s", index, method, exc.message)
             self.workers[index].peer = peer
@@ -351,11 +358,12 @@ class Supervisor:
         restarted with the call replayed."""
         async with self._control:
             joined = self._joined()
+            number = next(self._calls)
             results = await asyncio.gather(
-                *(peer.call("control", method, args) for _, peer in joined), return_exceptions=True
+                *(peer.call("control", method, args, number) for _, peer in joined), return_exceptions=True
             )
             if method in _REPLAYED:
-                self._record(method, args)
+                self._record(method, args, number)
         by_worker = dict(zip((index for index, _ in joined), results, strict=True))
         mine = by_worker.pop(origin, None)
         if isinstance(mine, BaseException):
@@ -365,14 +373,14 @@ class Supervisor:
                 raise type(result)(f"worker {index}: {result.message}")
         return mine
 
-    def _record(self, method: str, args: tuple[Any, ...]) -> None:
+    def _record(self, method: str, args: tuple[Any, ...], number: int) -> None:
         """Keep what a joining worker must replay: the latest call per model and per region, the log settings."""
         if method in ("load_model", "unload_model", "poll_load", "poll_unload"):
             key = ("model", args[0])
         elif method.startswith("unregister_") and not args[0]:  # every region of its kind
             kind = method.removeprefix("unregister_")
             calls = ("register_" + kind, "unregister_" + kind)
-            for stale in [k for k, (m, _) in self._replay.items() if k[0] == "region" and m in calls]:
+            for stale in [k for k, (m, _, _) in self._replay.items() if k[0] == "region" and m in calls]:
                 del self._replay[stale]
             return
         elif method.endswith("shared_memory"):
@@ -380,7 +388,7 @@ class Supervisor:
         else:
             key = (method, str(next(self._changes)))  # settings: each change in turn, later ones override earlier
         self._replay.pop(key, None)
-        self._replay[key] = (method, args)
+        self._replay[key] = (method, args, number)
 
     async def _gather(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         return list(await asyncio.gather(*(peer.call("control", method, args) for _, peer in self._joined())))
@@ -426,6 +434,28 @@ class Supervisor:
             *(peer.call("metrics") for _, peer in self._joined()), return_exceptions=True
         )
         return merge_expositions([t.decode() for t in texts if isinstance(t, bytes)]) + render(self._machine)
+
+
+def _tell_to_stop(worker: _Worker) -> None:
+    """A running worker drains and exits: told over its link once joined, else signalled."""
+    process = worker.process
+    if process is None or process.returncode is not None:
+        return
+    if worker.peer is not None:
+        worker.peer.notify("stop")
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+
+
+def _cache_segment(settings: ServerSettings) -> int | None:
+    """The server's response cache (`--cache-config`), for the workers to share; None without one, or with settings
+    the workers will refuse to start with (each says why, as one process would)."""
+    try:
+        cache = build_response_cache(settings.cache_config)
+    except CacheConfigError:
+        return None
+    return None if cache is None else create_segment(cache.capacity)
 
 
 class _EveryWorker:

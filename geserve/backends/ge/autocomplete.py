@@ -93,18 +93,11 @@ def _tensor(value: onnx.ValueInfoProto, model_path: Path) -> GraphTensor:
 
 
 def auto_complete(config: ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
-    inputs, outputs = read_signature(model_path)
-    # A sequence model's control and state tensors are fed and read by the sequence batcher, never by a client.
-    hidden = {t.name for t in (*sequence_inputs(config), *sequence_outputs(config))}
-    if hidden:
-        inputs = [t for t in inputs if t.name not in hidden]
-        outputs = [t for t in outputs if t.name not in hidden]
+    inputs, outputs = _client_tensors(config, *read_signature(model_path))
     graph = inputs + outputs
-    batchable = bool(graph) and all(t.shape and t.shape[0] == -1 for t in graph)
+    batchable = _batchable(graph)
     if config.max_batch_size == 0 and batchable and not _dims_given_with_batch(config, graph):
-        config.max_batch_size = default_max_batch_size
-        if default_max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
-            config.dynamic_batching.SetInParent()  # as Triton does when it chose the batch size itself
+        _choose_max_batch_size(config, default_max_batch_size)
     if config.max_batch_size > 0 and not batchable:
         raise InvalidArgumentError(
             f"model '{config.name}': max_batch_size is {config.max_batch_size} but the first dimension of "
@@ -113,6 +106,28 @@ def auto_complete(config: ModelConfig, model_path: Path, default_max_batch_size:
     skip = 1 if config.max_batch_size > 0 else 0
     _complete(config.input, inputs, skip)
     _complete(config.output, outputs, skip)
+
+
+def _client_tensors(
+    config: ModelConfig, inputs: list[GraphTensor], outputs: list[GraphTensor]
+) -> tuple[list[GraphTensor], list[GraphTensor]]:
+    # A sequence model's control and state tensors are fed and read by the sequence batcher, never by a client.
+    hidden = {t.name for t in (*sequence_inputs(config), *sequence_outputs(config))}
+    if hidden:
+        inputs = [t for t in inputs if t.name not in hidden]
+        outputs = [t for t in outputs if t.name not in hidden]
+    return inputs, outputs
+
+
+def _batchable(graph: list[GraphTensor]) -> bool:
+    """Every input and output has a dynamic first dimension: the batch."""
+    return bool(graph) and all(t.shape and t.shape[0] == -1 for t in graph)
+
+
+def _choose_max_batch_size(config: ModelConfig, default_max_batch_size: int) -> None:
+    config.max_batch_size = default_max_batch_size
+    if default_max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
+        config.dynamic_batching.SetInParent()  # as Triton does when it chose the batch size itself
 
 
 def _dims_given_with_batch(config: ModelConfig, graph: list[GraphTensor]) -> bool:
@@ -135,10 +150,15 @@ def _complete(
                 continue  # every tensor already configured (possibly under a reshape); keep the user's list
             entry = configured.add()
             entry.name = tensor.name
-        if entry.data_type == model_config_pb2.TYPE_INVALID:
-            entry.data_type = BY_WIRE[tensor.wire_type].config
-        if not entry.dims and not entry.HasField("reshape"):
-            dims = tensor.shape[skip:]
-            entry.dims.extend(dims if dims else [1])
-            if not dims:
-                entry.reshape.SetInParent()
+        _fill_entry(entry, tensor, skip)
+
+
+def _fill_entry(entry: ModelInput | ModelOutput, tensor: GraphTensor, skip: int) -> None:
+    """The graph's datatype and dims (past the batch dimension) where the config entry gives none."""
+    if entry.data_type == model_config_pb2.TYPE_INVALID:
+        entry.data_type = BY_WIRE[tensor.wire_type].config
+    if not entry.dims and not entry.HasField("reshape"):
+        dims = tensor.shape[skip:]
+        entry.dims.extend(dims if dims else [1])
+        if not dims:
+            entry.reshape.SetInParent()

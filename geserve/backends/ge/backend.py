@@ -101,36 +101,12 @@ class GeBackend:
         layout = _layout(config, path)
         graph = load_graph(path, self._settings.values.get("model-key-file"))
         graph, dumper = with_dump(config, options, source, graph)
-        configured = configured_accelerator(config)
-
-        def accelerator(kind: int) -> str | None:  # Triton's TensorRT accelerator applies to GPU instances only
-            return options.accelerator or (configured if kind == devices.KIND_GPU else None)
-
-        gpu_groups = [g for g in config.instance_group if g.kind == devices.KIND_GPU]
-        on_cuda = any(accelerator_of(g.kind, accelerator(g.kind)) in ("cuda", "tensorrt") for g in gpu_groups)
-        placements = devices.placements(
-            config.instance_group, options.device_ids, options.instance_exec_blocks, options.device_exec_blocks,
-            visible_gpus() if on_cuda else None, config.name,
-        )
+        sessions = _Sessions(config, options, source, path, graph)
+        placements = sessions.placements()
         threads = options.intra_op_threads or devices.threads_per_instance(len(placements))
-        by_family: dict[str, dict[str, dict[str, str]]] = {}  # provider options, built once per family
         instances: list[GeInstance] = []
-        on_cpu: Path | bytes | None = None  # what the CPU sessions load: the shared graph, or the model's own
         for placement in placements:
-            family = accelerator_of(placement.kind, accelerator(placement.kind))
-            if family not in by_family:
-                by_family[family] = provider_options(config, options, family, path, graph)
-                if family == "npu":
-                    _apply_ge_gears(config, options)
-            target = devices.resolve_target(
-                placement.kind, placement.device_id, accelerator(placement.kind), by_family[family]
-            )
-            loaded = graph
-            if family == "cpu":
-                if on_cpu is None:
-                    on_cpu = _shared_graph(path, graph, config, options, source) or graph
-                loaded = on_cpu
-            session = _create_session(path, loaded, config, options, target, threads, source)
+            session, target = sessions.create(placement, threads)
             instances.append(make_instance(placement.name, session, layout, target.device, dumper))
         logger.info(
             "loaded '%s' version %d: %d instance(s) on %s, %d intra-op thread(s) each",
@@ -149,6 +125,58 @@ class GeBackend:
             "'ge' / 'npu_ge', refuse them)",
             config.name, config.platform or config.backend, ", ".join(f"'{k}'" for k in ignored),
         )
+
+
+class _Sessions:
+    """The sessions of one model's instances: provider options built once per accelerator family, and the graph
+    every CPU session loads (the shared one, or the model's own) once."""
+
+    def __init__(
+        self, config: ModelConfig, options: GeOptions, source: ModelSource, path: Path, graph: Path | bytes
+    ) -> None:
+        self._config, self._options, self._source = config, options, source
+        self._path, self._graph = path, graph
+        self._configured = configured_accelerator(config)
+        self._by_family: dict[str, dict[str, dict[str, str]]] = {}
+        self._on_cpu: Path | bytes | None = None
+
+    def accelerator(self, kind: int) -> str | None:
+        # Triton's TensorRT accelerator applies to GPU instances only.
+        return self._options.accelerator or (self._configured if kind == devices.KIND_GPU else None)
+
+    def placements(self) -> list[devices.Placement]:
+        config, options = self._config, self._options
+        gpu_groups = [g for g in config.instance_group if g.kind == devices.KIND_GPU]
+        on_cuda = any(accelerator_of(g.kind, self.accelerator(g.kind)) in ("cuda", "tensorrt") for g in gpu_groups)
+        return devices.placements(
+            config.instance_group, options.device_ids, options.instance_exec_blocks, options.device_exec_blocks,
+            visible_gpus() if on_cuda else None, config.name,
+        )
+
+    def create(
+        self, placement: devices.Placement, threads: int
+    ) -> tuple[ort.InferenceSession, devices.ExecutionTarget]:
+        accelerator = self.accelerator(placement.kind)
+        family = accelerator_of(placement.kind, accelerator)
+        target = devices.resolve_target(
+            placement.kind, placement.device_id, accelerator, self._provider_options(family)
+        )
+        loaded = self._cpu_graph() if family == "cpu" else self._graph
+        session = _create_session(self._path, loaded, self._config, self._options, target, threads, self._source)
+        return session, target
+
+    def _provider_options(self, family: str) -> dict[str, dict[str, str]]:
+        if family not in self._by_family:
+            self._by_family[family] = provider_options(self._config, self._options, family, self._path, self._graph)
+            if family == "npu":
+                _apply_ge_gears(self._config, self._options)
+        return self._by_family[family]
+
+    def _cpu_graph(self) -> Path | bytes:
+        if self._on_cpu is None:
+            shared = _shared_graph(self._path, self._graph, self._config, self._options, self._source)
+            self._on_cpu = shared or self._graph
+        return self._on_cpu
 
 
 def _create(settings: BackendSettings, host: InferenceHost, custom_metrics: CustomMetricStore) -> GeBackend:
@@ -219,18 +247,25 @@ def _tensor_layout(
         )
     config_dims = tuple(tensor.dims)
     graph_dims = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
+    _check_dims(config, tensor.name, found, kind, path, batching, graph_dims if graph_dims is not None else config_dims)
+    return TensorLayout(tensor.name, wire, config_dims, graph_dims)
+
+
+def _check_dims(
+    config: ModelConfig, name: str, found: GraphTensor, kind: str, path: Path, batching: bool,
+    checked: tuple[int, ...],
+) -> None:
+    """The configured dims (`checked`: the reshape's when there is one) must fit the graph's shape past the batch."""
     expected = found.shape[1:] if batching else found.shape
-    checked = graph_dims if graph_dims is not None else config_dims
     compatible = len(expected) == len(checked) and all(
         -1 in (e, c) or e == c for e, c in zip(expected, checked, strict=True)
     )
     if not compatible:
         raise InvalidArgumentError(
-            f"model '{config.name}': {kind} '{tensor.name}' has dims {list(checked)} in the configuration "
+            f"model '{config.name}': {kind} '{name}' has dims {list(checked)} in the configuration "
             f"but shape {list(found.shape)} in {path}"
             + (" (the first graph dimension is the batch)" if batching else "")
         )
-    return TensorLayout(tensor.name, wire, config_dims, graph_dims)
 
 
 def _graph_level(config: ModelConfig) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,34 +78,66 @@ def compile_on_load(config: ModelConfig, source_path: Path, model_dir: Path) -> 
 def _compile_fields(config: ModelConfig, source_path: Path, model_dir: Path) -> dict[str, Any]:
     """CompileOptions keyword arguments (of several types) from the config's compile_* parameters; a TensorFlow
     source also takes Triton's TF_SIGNATURE_DEF and, for a GraphDef, its tensors from the config's inputs/outputs."""
-    from geserve.compiler.keep import parse_keep_fp32
-    from geserve.compiler.options import parse_input_shapes, parse_int_list
-
     values = {key: config.parameters[key].string_value for key in COMPILE_PARAMETERS if key in config.parameters}
     fields: dict[str, Any] = {}
     for key, value in values.items():
         name = COMPILE_PARAMETERS[key]
-        if name == "batch_gears":
-            fields[name] = parse_int_list(value, key)
-        elif name == "input_shapes":
-            fields[name] = parse_input_shapes(value)
-        elif name == "out_nodes":
-            fields[name] = [n.strip() for n in value.split(",") if n.strip()]
-        elif name in ("calibration_data", "insert_op_conf"):
-            fields[name] = model_dir / value
-        elif name == "keep_fp32":
-            fields[name] = parse_keep_fp32(value, model_dir)
-        else:
-            fields[name] = value.strip()
+        fields[name] = _FIELD_PARSERS.get(name, _stripped)(value, key, model_dir)
     if not is_tensorflow_model(source_path):
         return {"framework": "onnx", **fields}
+    _add_tensorflow_fields(config, source_path, fields)
+    return fields
+
+
+def _add_tensorflow_fields(config: ModelConfig, source_path: Path, fields: dict[str, Any]) -> None:
     if "TF_SIGNATURE_DEF" in config.parameters:
         fields.setdefault("signature", config.parameters["TF_SIGNATURE_DEF"].string_value.strip())
     if model_kind(source_path) == "graphdef":  # a frozen graph names no inputs or outputs: Triton's config does
         batch = [-1] if config.max_batch_size > 0 else []
         fields.setdefault("input_shapes", {t.name: [*batch, *t.dims] for t in config.input})
         fields.setdefault("out_nodes", [t.name for t in config.output])
-    return fields
+
+
+# Each parser takes a compile_* parameter's text, the parameter's name and the model folder.
+def _int_list(value: str, key: str, model_dir: Path) -> list[int]:
+    from geserve.compiler.options import parse_int_list
+
+    return parse_int_list(value, key)
+
+
+def _input_shapes(value: str, key: str, model_dir: Path) -> dict[str, list[int]]:
+    from geserve.compiler.options import parse_input_shapes
+
+    return parse_input_shapes(value)
+
+
+def _names(value: str, key: str, model_dir: Path) -> list[str]:
+    return [n.strip() for n in value.split(",") if n.strip()]
+
+
+def _model_file(value: str, key: str, model_dir: Path) -> Path:
+    return model_dir / value
+
+
+def _keep_fp32(value: str, key: str, model_dir: Path) -> list[str]:
+    from geserve.compiler.keep import parse_keep_fp32
+
+    return parse_keep_fp32(value, model_dir)
+
+
+def _stripped(value: str, key: str, model_dir: Path) -> str:
+    return value.strip()
+
+
+# CompileOptions field -> its parser; any other field takes the text as it is, stripped.
+_FIELD_PARSERS: dict[str, Callable[[str, str, Path], Any]] = {
+    "batch_gears": _int_list,
+    "input_shapes": _input_shapes,
+    "out_nodes": _names,
+    "calibration_data": _model_file,
+    "insert_op_conf": _model_file,
+    "keep_fp32": _keep_fp32,
+}
 
 
 def package_libraries(path: Path) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from geserve.backends.ge.autocomplete import read_signature
 from geserve.backends.ge.parameters import GeOptions
-from geserve.compiler.package import is_package, read_manifest
+from geserve.compiler.package import Manifest, is_package, read_manifest
 from geserve.config import ModelConfig
 from geserve.devices import cann, cuda, tensorrt
 from geserve.devices.target import CANN_PROVIDER, CUDA_PROVIDER, TENSORRT_PROVIDER
@@ -50,16 +50,8 @@ def provider_options(
 def _tensorrt_options(config: ModelConfig, path: Path, graph: Path | bytes) -> dict[str, str]:
     parameters = _accelerator_parameters(config, "tensorrt")
     manifest = read_manifest(path) if is_package(path) else None
-    compile_precision = (
-        config.parameters["compile_precision_mode"].string_value if "compile_precision_mode" in config.parameters
-        else (manifest.precision if manifest else "")
-    )
-    precision = tensorrt.precision_of(
-        parameters.get("precision_mode", ""), compile_precision, manifest.quantization if manifest else ""
-    )
-    gears = [int(g) for g in config.parameters["batch_gears"].string_value.split(",") if g.strip()] \
-        if "batch_gears" in config.parameters else []
-    max_batch = max(gears) if gears else config.max_batch_size
+    precision = _precision(config, parameters, manifest)
+    max_batch = _max_batch(config)
     inputs = [(t.name, t.shape) for t in read_signature(path)[0]]
     engine = tensorrt.engine_options(parameters)
     # An encrypted model's engine would hold its weights in the clear on disk: no cache for it.
@@ -67,6 +59,25 @@ def _tensorrt_options(config: ModelConfig, path: Path, graph: Path | bytes) -> d
     return tensorrt.tensorrt_options(
         tensorrt.graph_digest(graph), precision, tensorrt.profile_shapes(inputs, max_batch), engine, cache
     )
+
+
+def _precision(config: ModelConfig, parameters: dict[str, str], manifest: Manifest | None) -> str:
+    """The engine's precision: the accelerator's `precision_mode`, else the compile's (the config's parameter, or
+    what the package was compiled with)."""
+    compile_precision = (
+        config.parameters["compile_precision_mode"].string_value if "compile_precision_mode" in config.parameters
+        else (manifest.precision if manifest else "")
+    )
+    return tensorrt.precision_of(
+        parameters.get("precision_mode", ""), compile_precision, manifest.quantization if manifest else ""
+    )
+
+
+def _max_batch(config: ModelConfig) -> int:
+    """The largest batch an engine profile covers: the largest gear, else the config's max_batch_size."""
+    gears = [int(g) for g in config.parameters["batch_gears"].string_value.split(",") if g.strip()] \
+        if "batch_gears" in config.parameters else []
+    return max(gears) if gears else config.max_batch_size
 
 
 def _gpu_accelerators(config: ModelConfig) -> list[Any]:  # ModelOptimizationPolicy...Accelerator messages

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 from google.protobuf import json_format
+from tritonclient.grpc.model_config_pb2 import ModelInstanceGroup
 
 from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelSource
 from geserve.backends.python import loader, metrics, runtime
@@ -74,6 +77,17 @@ class PythonBackend:
         finally:
             loader.forget(module)
 
+    def _import(self, path: Path, model_name: str, instance_name: str) -> tuple[ModuleType, metrics.MetricScope]:
+        """A fresh import of model.py for one instance, with the metrics scope its import-time families go to."""
+        scope = metrics.MetricScope(self._custom_metrics, instance_name)
+        try:
+            with metrics.bound(scope):  # families made at import belong to the instance
+                module = loader.import_model_file(path, model_name)
+        except GeserveError:
+            scope.close()
+            raise
+        return module, scope
+
     def create_instances(self, config: ModelConfig, source: ModelSource) -> list[PythonInstance]:
         """One instance per execution context of every instance group, each importing model.py afresh."""
         path = model_file(config, source)
@@ -82,31 +96,19 @@ class PythonBackend:
         decoupled = config.model_transaction_policy.decoupled
         instances: list[PythonInstance] = []
         try:
-            for group in config.instance_group:
-                device_ids = list(group.gpus) if group.kind == 1 and group.gpus else [0]
-                index = 0
-                for device_id in device_ids:
-                    for _ in range(group.count):
-                        name = f"{group.name}_{index}"
-                        index += 1
-                        scope = metrics.MetricScope(self._custom_metrics, name)
-                        try:
-                            with metrics.bound(scope):  # families made at import belong to the instance
-                                module = loader.import_model_file(path, config.name)
-                        except GeserveError:
-                            scope.close()
-                            raise
-                        instance = PythonInstance(name, module, self._host, outputs, decoupled, scope)
-                        instance.initialize({
-                            "model_config": config_json,
-                            "model_instance_kind": _KIND_NAMES.get(group.kind, "CPU"),
-                            "model_instance_name": name,
-                            "model_instance_device_id": str(device_id),
-                            "model_repository": str(source.model_dir),
-                            "model_version": str(source.version),
-                            "model_name": config.name,
-                        })
-                        instances.append(instance)
+            for group, name, device_id in _placements(config):
+                module, scope = self._import(path, config.name, name)
+                instance = PythonInstance(name, module, self._host, outputs, decoupled, scope)
+                instance.initialize({
+                    "model_config": config_json,
+                    "model_instance_kind": _KIND_NAMES.get(group.kind, "CPU"),
+                    "model_instance_name": name,
+                    "model_instance_device_id": str(device_id),
+                    "model_repository": str(source.model_dir),
+                    "model_version": str(source.version),
+                    "model_name": config.name,
+                })
+                instances.append(instance)
         except GeserveError:
             for instance in instances:
                 instance.finalize()
@@ -114,6 +116,17 @@ class PythonBackend:
         logger.info("loaded Python model '%s' version %d: %d instance(s)%s", config.name, source.version,
                     len(instances), ", decoupled" if decoupled else "")
         return instances
+
+
+def _placements(config: ModelConfig) -> Iterator[tuple[ModelInstanceGroup, str, int]]:
+    """Each instance to create: its group, its name and its device, in Triton's order."""
+    for group in config.instance_group:
+        device_ids = list(group.gpus) if group.kind == 1 and group.gpus else [0]
+        index = 0
+        for device_id in device_ids:
+            for _ in range(group.count):
+                yield group, f"{group.name}_{index}", device_id
+                index += 1
 
 
 BACKEND_KIND = BackendKind(

@@ -156,6 +156,10 @@ class PythonInstance(ModelInstance):
             return [self._failed(loader.describe(exc))] * len(requests)
         if returned is None:  # the model answered through response senders
             return [self._collected(request, responses) for request, responses in zip(requests, sent, strict=True)]
+        return self._returned(requests, returned)
+
+    def _returned(self, requests: list[CoreRequest], returned: Any) -> list[Result]:
+        """The results of the responses `execute` returned, one per request."""
         returned = list(returned) if isinstance(returned, list | tuple) else returned
         if not isinstance(returned, list) or len(returned) != len(requests):
             count = len(returned) if isinstance(returned, list) else type(returned).__name__

@@ -335,19 +335,13 @@ class InferenceRequest:
         wrapped._inputs = [Tensor._from_core(t) for t in request.inputs]
         wrapped._requested = output_names if request.outputs is None else [o.name for o in request.outputs]
         parameters = request.parameters
-        wrapped._correlation_id = _correlation_id(parameters.get("sequence_id", 0))
+        if _SEQUENCE_PARAMETERS.isdisjoint(parameters):
+            wrapped._correlation_id, wrapped._flags, wrapped._parameters = 0, 0, parameters
+        else:
+            wrapped._correlation_id, wrapped._flags, wrapped._parameters = _sequence_split(parameters)
         wrapped._request_id = request.id
         wrapped._model_version = int(request.model_version) if request.model_version.isdigit() else -1
-        wrapped._flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if parameters.get("sequence_start") else 0) | (
-            TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if parameters.get("sequence_end") else 0
-        )
         wrapped._timeout = request.timeout_us
-        # Triton's frontends take the sequence parameters as the request's correlation id and flags, never as
-        # parameters the model sees.
-        wrapped._parameters = (
-            {k: v for k, v in parameters.items() if k not in _SEQUENCE_PARAMETERS}
-            if not _SEQUENCE_PARAMETERS.isdisjoint(parameters) else parameters
-        )
         wrapped._sender = None
         wrapped._make_sender = make_sender
         wrapped._identity = request.identity
@@ -381,6 +375,16 @@ async def _async_drain(items: asyncio.Queue[StreamResponse]) -> AsyncIterator[In
 
 
 _SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+
+
+def _sequence_split(parameters: dict[str, Any]) -> tuple[int | str, int, dict[str, Any]]:
+    """A request's correlation id, its sequence flags and its other parameters: Triton's frontends take the sequence
+    parameters as the request's correlation id and flags, never as parameters the model sees."""
+    flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if parameters.get("sequence_start") else 0) | (
+        TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if parameters.get("sequence_end") else 0
+    )
+    rest = {k: v for k, v in parameters.items() if k not in _SEQUENCE_PARAMETERS}
+    return _correlation_id(parameters.get("sequence_id", 0)), flags, rest
 
 
 def _correlation_id(value: Any) -> int | str:

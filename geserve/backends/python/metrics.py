@@ -190,15 +190,7 @@ class MetricFamily:
         family = self._family
         # Triton sends the labels to its core as JSON: keys become strings (1 -> "1"), values must be strings.
         decoded = json.loads(json.dumps(labels)) or {}
-        bounds: list[float] | None = None
-        if buckets is not None:
-            if not isinstance(buckets, list):
-                raise TritonModelException("Failed to create metric. Buckets must be a list.")
-            if family is not None and family.kind != HISTOGRAM:
-                raise TritonModelException("Failed to create metric. Unexpected buckets found.")
-            bounds = [_bucket(b) for b in buckets]
-        elif family is not None and family.kind == HISTOGRAM:
-            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        bounds = _bounds(family, buckets)
         if family is None:
             raise TritonModelException(f"Error when creating Metric: {_DELETED}")
         if any(not isinstance(v, str) for v in decoded.values()):
@@ -233,6 +225,19 @@ class MetricFamily:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the store may be half torn down
             self._delete()
+
+
+def _bounds(family: CustomFamily | None, buckets: list[float] | None) -> list[float] | None:
+    """A metric's histogram bucket bounds: given for a histogram (and only for one), checked as Triton does."""
+    if buckets is None:
+        if family is not None and family.kind == HISTOGRAM:
+            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        return None
+    if not isinstance(buckets, list):
+        raise TritonModelException("Failed to create metric. Buckets must be a list.")
+    if family is not None and family.kind != HISTOGRAM:
+        raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+    return [_bucket(b) for b in buckets]
 
 
 def _bucket(value: Any) -> float:

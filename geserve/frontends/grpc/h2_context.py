@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from geserve.frontends.tls import grpc_auth_context
+
 PREFIX = struct.Struct(">BI")  # a message's compressed flag and length
 # Transport headers grpc hides from invocation_metadata() (user-agent it keeps); pseudo-headers are hidden too.
 _HIDDEN = frozenset({b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding",
@@ -29,6 +31,9 @@ class Connection(Protocol):
     max_receive: int
     peer: str
     loop: asyncio.AbstractEventLoop
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None: ...  # over TLS, its ssl_object holds the client certificate
 
     def acknowledge(self, call: H2Call) -> None: ...
 
@@ -213,7 +218,7 @@ class H2Call:
         return self.reset
 
     def auth_context(self) -> dict[str, list[bytes]]:
-        return {}  # cleartext only: TLS calls are served by grpc.aio
+        return grpc_auth_context(self.connection.transport)  # {} on cleartext; TLS: the client certificate
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code

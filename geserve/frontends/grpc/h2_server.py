@@ -8,8 +8,13 @@ out) is ~100 µs. The handlers are the same objects grpc.aio serves (`inference_
 resolved once per method path, so both servers answer alike; a small servicer context (h2_context.H2Call) stands in
 for grpc.aio's.
 
-TLS (--grpc-use-ssl[-mutual]) stays on grpc.aio (server.GrpcServer), whose dynamic credentials reload on SIGHUP
-and whose auth context carries the client certificate: only cleartext is served here.
+TLS (--grpc-use-ssl[-mutual]) is served here too, on the same helpers as the native HTTP server (frontends/tls.py):
+an ssl.SSLContext with ALPN h2 (TLS 1.2 or later, HTTP/2's cipher rules), client certificates required and verified
+against --grpc-root-cert under mutual TLS, and SIGHUP (`reload_tls`) giving new connections the re-read certificate
+while open ones keep theirs (ServerTls.fixed_context: loop.create_server takes one context for good). A call's auth
+context carries the verified client certificate as grpc.aio's does (tls.grpc_auth_context), so the caller's identity
+is the same on both servers. grpc.aio (server.GrpcServer) serves only when asked (--grpc-server grpcio) or where a
+host brings its own grpc server (integrations).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from geserve.frontends.grpc import server as aio_server
 from geserve.frontends.grpc.h2_connection import Begin, GrpcH2Connection, Method
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.server import (
@@ -32,11 +38,14 @@ from geserve.frontends.grpc.server import (
     inference_handler,
 )
 from geserve.frontends.http.native_server import bind_listeners
+from geserve.frontends.tls import H2_ALPN, ServerTls, TlsEndpoint
 from geserve.service.service import InferenceService
 
 logger = logging.getLogger(__name__)
 
 BACKLOG = 1024
+# How long a client has to finish its TLS handshake: gRPC core's server default (GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS).
+HANDSHAKE_TIMEOUT_S = 120.0
 
 
 class _CallDetails(grpc.HandlerCallDetails):
@@ -76,17 +85,19 @@ class MethodTable:
         return None
 
 
-class NativeGrpcServer:
-    """inference.GRPCInferenceService and grpc.health.v1.Health over h2, on the running loop (cleartext only)."""
+class NativeGrpcServer(TlsEndpoint):
+    """inference.GRPCInferenceService and grpc.health.v1.Health over h2, on the running loop, over cleartext or TLS
+    (`options.tls`; `serves_tls`, and `reload_tls` on SIGHUP)."""
+
+    _tls: ServerTls | None
 
     name = "grpc"
     reports_arrivals = True  # each open connection counts as a source that may send at any time (arrivals.py)
 
     def __init__(self, service: InferenceService, options: GrpcOptions, adopting: bool = False) -> None:
         """`adopting`: bind nothing and serve only the connections handed to `adopt` (a worker of --workers whose
-        supervisor accepts them)."""
-        if options.tls is not None:
-            raise ValueError("the native gRPC server serves cleartext only; TLS is served by grpc.aio (GrpcServer)")
+        supervisor accepts them). The TLS files are read here: a fault stops the start with the flag named."""
+        self._tls = ServerTls(options.tls, "grpc", H2_ALPN) if options.tls is not None else None
         self._service = service
         self.options = options
         self.port = options.port
@@ -112,8 +123,12 @@ class NativeGrpcServer:
             return GrpcH2Connection(options, methods.resolve, connections, methods.begin)
 
         self._factory = connection
+        if self._tls is not None and self._tls.mutual:
+            # call_context reads a call's auth context (the client certificate) only once a server verifies them.
+            aio_server.verify_clients()
         if self._adopting:
-            logger.info("started GRPCInferenceService (native HTTP/2) on the connections handed to this worker")
+            logger.info("started GRPCInferenceService (native HTTP/2%s) on the connections handed to this worker",
+                        self._tls_note())
             return
         try:
             listeners = await bind_listeners(loop, options.address, options.port, BACKLOG, options.reuse_port)
@@ -124,9 +139,21 @@ class NativeGrpcServer:
 
         # loop.create_server rather than accepting ourselves (as the HTTP server does): gRPC connections are few and
         # long-lived, there is no connection cap to pause accepting at, and uvloop's accept loop runs in C.
+        # TLS: the first context for good, which moves each handshake onto the current one (reloads reach it).
+        tls: dict[str, Any] = {}
+        if self._tls is not None:
+            tls = {"ssl": self._tls.fixed_context(), "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
         for sock in listeners:
-            self._servers.append(await loop.create_server(connection, sock=sock, backlog=BACKLOG))
-        logger.info("started GRPCInferenceService at %s (native HTTP/2)", self.target)
+            self._servers.append(await loop.create_server(connection, sock=sock, backlog=BACKLOG, **tls))
+        logger.info("started GRPCInferenceService at %s (native HTTP/2%s)", self.target, self._tls_note())
+
+    @property
+    def tls(self) -> str:
+        """What the server speaks: "cleartext", "TLS" or "mutual TLS"."""
+        return "cleartext" if self._tls is None else "mutual TLS" if self._tls.mutual else "TLS"
+
+    def _tls_note(self) -> str:
+        return "" if self._tls is None else f", {self.tls}"
 
     def adopt(self, sock: socket.socket, on_close: Callable[[], None]) -> None:
         """Serves a connection another process accepted; `on_close` is called once it closes."""
@@ -143,7 +170,11 @@ class NativeGrpcServer:
             return made
 
         loop = asyncio.get_running_loop()
-        task = loop.create_task(loop.connect_accepted_socket(connection, sock))
+        if self._tls is None:
+            task = loop.create_task(loop.connect_accepted_socket(connection, sock))
+        else:  # the current context: a reload changes what the next connections get
+            task = loop.create_task(loop.connect_accepted_socket(
+                connection, sock, ssl=self._tls.context, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S))
 
         def connected(task: asyncio.Task[Any]) -> None:
             if task.cancelled() or task.exception() is not None:  # never served: counted closed all the same

@@ -105,6 +105,12 @@ def _rpc(method: Callable[..., Awaitable[Message]]) -> Callable[..., Awaitable[M
 _verifies_clients = False
 
 
+def verify_clients() -> None:
+    """A server in this process verifies client certificates (mutual TLS): calls read the certificate's subject."""
+    global _verifies_clients
+    _verifies_clients = True
+
+
 def call_context(context: grpc.aio.ServicerContext[Any, Any]) -> CallContext:
     """The service's view of an RPC: peer, metadata (lower-case keys), deadline, cancellation, and under mutual
     TLS the client certificate's subject."""
@@ -494,8 +500,7 @@ class GrpcServer(TlsEndpoint):
         await server.start()
         self._server = server
         if self._tls is not None and self._tls.files.mutual:
-            global _verifies_clients
-            _verifies_clients = True
+            verify_clients()
         logger.info("started GRPCInferenceService at %s%s", self.target, _tls_note(self._tls))
 
     async def stop(self, grace: float | None = 1.0) -> None:

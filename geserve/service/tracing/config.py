@@ -43,43 +43,59 @@ def parse_trace_config(entries: Sequence[str]) -> TraceConfig:
     config = TraceConfig()
     levels: list[str] = []
     for entry in entries:
-        mode, comma, setting = entry.partition(",")
-        if not comma:
-            mode, setting = "", entry
-        key, equals, value = setting.partition("=")
-        if not equals or not key:
-            raise TraceConfigError(
-                f"--trace-config option format is '<trace mode>,<setting>=<value>' or '<setting>=<value>'. Got {entry}"
-            )
-        if mode and mode not in MODES:
-            raise TraceConfigError(f"Unknown trace mode '{mode}' in --trace-config {entry}: expected triton or "
-                                   "opentelemetry")
-        allowed = _MODE_KEYS[mode] if mode else _GLOBAL_KEYS
-        if key not in allowed:
-            where = f"trace mode '{mode}'" if mode else "the global trace settings (rate, level, count, mode)"
-            raise TraceConfigError(f"Unknown setting '{key}' for {where} in --trace-config {entry}")
-        if key in _INTEGERS:
-            try:
-                number = int(value)
-            except ValueError:
-                raise TraceConfigError(f"Unable to parse '{key}' in --trace-config {entry}: not an integer") from None
-            if number < (-1 if key == "count" else 0):
-                raise TraceConfigError(f"--trace-config {entry}: '{key}' must be >= {-1 if key == 'count' else 0}")
-            setattr(config, key.replace("-", "_"), number)
-        elif key == "level":
+        key, value = _setting(entry)
+        if key == "level":
             if value not in LEVELS:
                 raise TraceConfigError(f"--trace-config {entry}: level must be OFF, TIMESTAMPS or TENSORS")
             levels = [] if value == "OFF" else [*levels, value]
-        elif key == "mode":
-            if value not in MODES:
-                raise TraceConfigError(f"--trace-config {entry}: mode must be triton or opentelemetry")
-            config.mode = value
-        elif key == "resource":
-            name, equals, attribute = value.partition("=")
-            if not equals or not name:
-                raise TraceConfigError(f"--trace-config {entry}: resource takes <key>=<value>")
-            config.resource[name] = attribute
-        else:  # file, url
-            setattr(config, key, value)
+        else:
+            _apply(config, entry, key, value)
     config.level = tuple(dict.fromkeys(levels)) or ("OFF",)
     return config
+
+
+def _setting(entry: str) -> tuple[str, str]:
+    """An entry's key (one its mode, or the global settings, has) and value."""
+    mode, comma, setting = entry.partition(",")
+    if not comma:
+        mode, setting = "", entry
+    key, equals, value = setting.partition("=")
+    if not equals or not key:
+        raise TraceConfigError(
+            f"--trace-config option format is '<trace mode>,<setting>=<value>' or '<setting>=<value>'. Got {entry}"
+        )
+    if mode and mode not in MODES:
+        raise TraceConfigError(f"Unknown trace mode '{mode}' in --trace-config {entry}: expected triton or "
+                               "opentelemetry")
+    allowed = _MODE_KEYS[mode] if mode else _GLOBAL_KEYS
+    if key not in allowed:
+        where = f"trace mode '{mode}'" if mode else "the global trace settings (rate, level, count, mode)"
+        raise TraceConfigError(f"Unknown setting '{key}' for {where} in --trace-config {entry}")
+    return key, value
+
+
+def _apply(config: TraceConfig, entry: str, key: str, value: str) -> None:
+    """Set `key` (any but `level`) to `value` in `config`."""
+    if key in _INTEGERS:
+        setattr(config, key.replace("-", "_"), _integer(entry, key, value))
+    elif key == "mode":
+        if value not in MODES:
+            raise TraceConfigError(f"--trace-config {entry}: mode must be triton or opentelemetry")
+        config.mode = value
+    elif key == "resource":
+        name, equals, attribute = value.partition("=")
+        if not equals or not name:
+            raise TraceConfigError(f"--trace-config {entry}: resource takes <key>=<value>")
+        config.resource[name] = attribute
+    else:  # file, url
+        setattr(config, key, value)
+
+
+def _integer(entry: str, key: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise TraceConfigError(f"Unable to parse '{key}' in --trace-config {entry}: not an integer") from None
+    if number < (-1 if key == "count" else 0):
+        raise TraceConfigError(f"--trace-config {entry}: '{key}' must be >= {-1 if key == 'count' else 0}")
+    return number

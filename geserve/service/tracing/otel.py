@@ -79,59 +79,77 @@ class OtelExporter:
         self._processor.shutdown()  # exports what is queued
 
     def _spans(self, trace: Trace) -> list[Any]:
-        from opentelemetry import trace as api
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-
-        wall = self._wall_offset
-        flags = api.TraceFlags(api.TraceFlags.SAMPLED)
-
-        def context(span_id: int, trace_id: int = trace.trace_id, remote: bool = False) -> api.SpanContext:
-            return api.SpanContext(trace_id, span_id, remote, flags)
-
-        def span(name: str, span_id: int, parent: api.SpanContext | None, start: int, end: int,
-                 events: list[tuple[str, int]], attributes: Mapping[str, Any] | None = None,
-                 links: tuple[Any, ...] = (), kind: Any = api.SpanKind.INTERNAL) -> Any:
-            return ReadableSpan(
-                name, context(span_id), parent, self._resource, dict(attributes or {}),
-                [Event(n, {}, ns + wall) for n, ns in events], links, kind,
-                start_time=start + wall, end_time=end + wall, instrumentation_scope=self._scope,
-            )
-
+        spans = _Spans(trace, self._resource, self._scope, self._wall_offset)
         marks = trace.marks
         times = dict(marks)
         start, end = times.get("REQUEST_START", marks[0][1]), times.get("REQUEST_END", marks[-1][1])
-        spans = []
-        if trace.parent is not None:
-            model_parent: api.SpanContext | None = context(trace.parent.span_id)
-        else:
-            remote = trace.remote
-            parent = None if remote is None else context(remote.span_id, remote.trace_id, remote=True)
-            frontend = [m for m in marks if m[0] in _FRONTEND_MARKS]
-            if frontend:  # a request from a frontend: the top-level span covers receive to send
-                first, last = min(ns for _, ns in frontend), max(ns for _, ns in frontend)
-                spans.append(span("InferRequest", trace.request_span_id, parent, min(first, start), max(last, end),
-                                  frontend, kind=api.SpanKind.SERVER))
-                model_parent = context(trace.request_span_id)
-            else:
-                model_parent = parent
+        model_parent = spans.request(start, end)
         attributes = {"triton.model_name": trace.model_name, "triton.model_version": trace.model_version,
                       "triton.trace_id": trace.id, "triton.request_id": trace.request_id}
         if trace.parent is not None:
             attributes["triton.parent_id"] = trace.parent.id
-        model_context = context(trace.span_id)
-        spans.append(span(trace.model_name, trace.span_id, model_parent, start, end,
-                          [m for m in marks if m[0] in _MODEL_MARKS], attributes))
+        spans.add(trace.model_name, trace.span_id, model_parent, start, end,
+                  [m for m in marks if m[0] in _MODEL_MARKS], attributes)
+        spans.phases(times)
+        return spans.made
+
+
+class _Spans:
+    """The spans of one trace, as the SDK's `ReadableSpan`s, in the order they are made."""
+
+    def __init__(self, trace: Trace, resource: Any, scope: Any, wall_offset: int) -> None:
+        from opentelemetry import trace as api
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+
+        self._api, self._event, self._readable = api, Event, ReadableSpan
+        self._trace, self._resource, self._scope, self._wall = trace, resource, scope, wall_offset
+        self._flags = api.TraceFlags(api.TraceFlags.SAMPLED)
+        self.made: list[Any] = []
+
+    def context(self, span_id: int, trace_id: int | None = None, remote: bool = False) -> Any:
+        trace_id = self._trace.trace_id if trace_id is None else trace_id
+        return self._api.SpanContext(trace_id, span_id, remote, self._flags)
+
+    def add(self, name: str, span_id: int, parent: Any, start: int, end: int, events: list[tuple[str, int]],
+            attributes: Mapping[str, Any] | None = None, links: tuple[Any, ...] = (), kind: Any = None) -> None:
+        wall = self._wall
+        self.made.append(self._readable(
+            name, self.context(span_id), parent, self._resource, dict(attributes or {}),
+            [self._event(n, {}, ns + wall) for n, ns in events], links,
+            self._api.SpanKind.INTERNAL if kind is None else kind,
+            start_time=start + wall, end_time=end + wall, instrumentation_scope=self._scope,
+        ))
+
+    def request(self, start: int, end: int) -> Any:
+        """The top-level span of a request from a frontend (receive to send), under the caller's remote span if
+        any; the model span's parent: that span, the ensemble's model span for a step, else the remote one."""
+        trace = self._trace
+        if trace.parent is not None:
+            return self.context(trace.parent.span_id)
+        remote = trace.remote
+        parent = None if remote is None else self.context(remote.span_id, remote.trace_id, remote=True)
+        frontend = [m for m in trace.marks if m[0] in _FRONTEND_MARKS]
+        if not frontend:
+            return parent
+        first, last = min(ns for _, ns in frontend), max(ns for _, ns in frontend)
+        self.add("InferRequest", trace.request_span_id, parent, min(first, start), max(last, end), frontend,
+                 kind=self._api.SpanKind.SERVER)
+        return self.context(trace.request_span_id)
+
+    def phases(self, times: dict[str, int]) -> None:
+        """`queue` and `compute` under the model span, as far as the trace saw them."""
+        trace = self._trace
+        model_context = self.context(trace.span_id)
         queued, compute_start, compute_end = times.get("QUEUE_START"), times.get("COMPUTE_START"), times.get(
             "COMPUTE_END")
         if queued is not None and compute_start is not None:
-            spans.append(span("queue", _derived(trace.span_id, 1), model_context, queued, compute_start, []))
+            self.add("queue", _derived(trace.span_id, 1), model_context, queued, compute_start, [])
         if compute_start is not None and compute_end is not None:
-            phases = [m for m in marks if m[0] in ("COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START")]
-            links = tuple(api.Link(context(_derived(p.span_id, 2), p.trace_id), {"geserve.shared_execution": True})
-                          for p in trace.peers)
-            spans.append(span("compute", _derived(trace.span_id, 2), model_context, compute_start, compute_end,
-                              phases, {"geserve.batch_requests": len(trace.peers) + 1}, links))
-        return spans
+            phases = [m for m in trace.marks if m[0] in ("COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START")]
+            links = tuple(self._api.Link(self.context(_derived(p.span_id, 2), p.trace_id),
+                                         {"geserve.shared_execution": True}) for p in trace.peers)
+            self.add("compute", _derived(trace.span_id, 2), model_context, compute_start, compute_end, phases,
+                     {"geserve.batch_requests": len(trace.peers) + 1}, links)
 
 
 def _derived(span_id: int, salt: int) -> int:

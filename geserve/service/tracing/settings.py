@@ -93,8 +93,18 @@ class TraceSettings:
     def update(self, changes: dict[str, list[str]], model: str = "", grpc: bool = False) -> dict[str, list[str]]:
         """Apply `changes` (an empty list clears a setting: a model's falls back to the global one, the global one
         to its start-up value). Nothing is applied when one change is refused."""
-        parsed = {key: _parse(key, values, grpc) for key, values in changes.items() if key in KEYS[:-1]}
-        parsed = {key: values for key, values in parsed.items() if values is not None}
+        given = {key: _parse(key, values, grpc) for key, values in changes.items() if key in KEYS[:-1]}
+        parsed = {key: values for key, values in given.items() if values is not None}
+        staged = self._staged(parsed, model)
+        effective = {**self.global_scope.values, **staged} if model else staged
+        carried, left = self._count(parsed, staged, effective, model)
+        _check(effective, self.mode, left)
+        self._apply(model, staged, carried)
+        return self.get(model)
+
+    def _staged(self, parsed: dict[str, list[str]], model: str) -> dict[str, list[str]]:
+        """The scope's own settings with `parsed` applied: a cleared one dropped (a model's) or back to its
+        start-up value (the global scope's)."""
         current = self._overrides.get(model, {}) if model else self.global_scope.values
         staged = dict(current)
         for key, values in parsed.items():
@@ -104,17 +114,18 @@ class TraceSettings:
                 staged.pop(key, None)
             else:
                 staged[key] = list(self._defaults[key])
-        effective = {**self.global_scope.values, **staged} if model else staged
+        return staged
+
+    def _count(
+        self, parsed: dict[str, list[str]], staged: dict[str, list[str]], effective: dict[str, list[str]], model: str
+    ) -> tuple[Remaining | None, int]:
+        """The count the changed scope keeps (None: a new one, or the server's for a model without its own) and
+        the traces it has left."""
         # The traces left carry over unless this change sets the count (Triton's settings keep their count).
         carried = None if "trace_count" in parsed else self.scope(model).remaining
         if model and "trace_count" not in staged:
-            carried = None  # the model counts down the server's traces
-            left = self.global_scope.remaining.left
-        else:
-            left = carried.left if carried is not None else int(effective["trace_count"][0])
-        _check(effective, self.mode, left)
-        self._apply(model, staged, carried)
-        return self.get(model)
+            return None, self.global_scope.remaining.left  # the model counts down the server's traces
+        return carried, carried.left if carried is not None else int(effective["trace_count"][0])
 
     def _apply(self, model: str, staged: dict[str, list[str]], carried: Remaining | None) -> None:
         if model:
@@ -142,12 +153,21 @@ def _parse(key: str, values: list[str], grpc: bool) -> list[str] | None:
     if not values:
         return []
     if key == "trace_level":
-        if "OFF" in values:
-            if len(values) > 1:
-                raise InvalidArgumentError("Expect only one trace level 'OFF' is specified")
-            return ["OFF"]
-        names = [name for name in dict.fromkeys(values) if name in _LEVEL_FLAGS]
-        return names or None  # no level Triton knows: the level stays as it is
+        return _parse_level(values)
+    return _parse_number(key, values, grpc)
+
+
+def _parse_level(values: list[str]) -> list[str] | None:
+    if "OFF" in values:
+        if len(values) > 1:
+            raise InvalidArgumentError("Expect only one trace level 'OFF' is specified")
+        return ["OFF"]
+    names = [name for name in dict.fromkeys(values) if name in _LEVEL_FLAGS]
+    return names or None  # no level Triton knows: the level stays as it is
+
+
+def _parse_number(key: str, values: list[str], grpc: bool) -> list[str]:
+    """trace_rate, trace_count, log_frequency."""
     try:
         number = int(values[0])
     except ValueError:
