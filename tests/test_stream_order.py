@@ -39,7 +39,7 @@ def test_responses_are_released_in_turn_order() -> None:
     assert sent == ["a", "b1", "b2", "c"]
 
 
-def test_an_answer_now_waits_behind_a_running_turn_and_goes_at_once_otherwise() -> None:
+def test_a_response_known_at_once_waits_behind_a_running_turn_and_goes_at_once_otherwise() -> None:
     sent: list[str] = []
     order = InOrder(sent.append)
     order.now("first")

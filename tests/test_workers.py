@@ -280,7 +280,7 @@ def test_the_supervisor_hands_over_only_the_native_servers_connections() -> None
     base = ServerSettings(model_repositories=[Path(".")])
     assert handed_kinds(base) == {HTTP, GRPC}
     assert handed_kinds(dataclasses.replace(base, http_server="uvicorn")) == {GRPC}  # uvicorn binds its own port
-    assert handed_kinds(dataclasses.replace(base, grpc_use_ssl_mutual=True)) == {HTTP}  # TLS: workers bind
+    assert handed_kinds(dataclasses.replace(base, grpc_use_ssl_mutual=True)) == {HTTP, GRPC}  # TLS too
     assert handed_kinds(dataclasses.replace(base, grpc_server="grpcio", allow_http=False)) == frozenset()
 
 

@@ -36,10 +36,10 @@ class DirectScheduler:
             raise result
         return result
 
-    def ready_now(self) -> bool:
+    def runs_now(self) -> bool:
         return self._pool.runs_now
 
-    def answer_now(self, request: InferenceRequest) -> InferenceResponse:
+    def run_now(self, request: InferenceRequest) -> InferenceResponse:
         self._inflight.enter(request.model_name)
         try:
             (result,) = self._pool.run_now([request])

@@ -203,10 +203,10 @@ class DynamicBatcher(AnswersLater):
             self._cancel(pending)
             raise
 
-    def submit(
+    def schedule(
         self, request: InferenceRequest, done: Callable[[InferenceResponse | BaseException], None]
     ) -> Pending | None:
-        """`enqueue` without a coroutine (HTTP's express lane): `done` is called with the response or the error the
+        """`enqueue` without a coroutine (InferenceService.submit): `done` is called with the response or the error the
         moment its batch completes (it must not raise), and `withdraw` takes the request back. Raises as `enqueue`
         does; None, having done nothing, when the request would bypass the queue: `enqueue` runs it at once."""
         if self._can_bypass_queue():
@@ -216,7 +216,7 @@ class DynamicBatcher(AnswersLater):
         return pending
 
     def withdraw(self, pending: Pending) -> bool:
-        """A submitted request's caller went away: unless its outcome is known already (False), `done` will never be
+        """A scheduled request's caller went away: unless its outcome is known already (False), `done` will never be
         called and, while it still waits, it leaves the queue (as a cancelled `enqueue`)."""
         if not pending.future.cancel():
             return False

@@ -57,7 +57,7 @@ class Outcome(Protocol):
 
 class Callback:
     """A queued request's outcome handed to a function the moment the batch completes, within the batcher's own call:
-    no future, done callback or loop turn per request (HTTP's express lane, InferenceService.infer_soon). The function
+    no future, done callback or loop turn per request (InferenceService.submit's queued run step). The function
     must not raise."""
 
     __slots__ = ("_call", "_state")

@@ -23,12 +23,12 @@ class Scheduler(Protocol):
         """Run `request` and return its response; raise GeserveError on failure."""
         ...
 
-    def ready_now(self) -> bool:
-        """Whether `answer_now` may be called: the request would run at once, on the loop, without awaiting."""
+    def runs_now(self) -> bool:
+        """Whether `run_now` may be called: the request would run at once, on the loop, without awaiting."""
         ...
 
-    def answer_now(self, request: InferenceRequest) -> InferenceResponse:
-        """`enqueue` without awaiting, right after `ready_now` said so (nothing awaited between the two)."""
+    def run_now(self, request: InferenceRequest) -> InferenceResponse:
+        """`enqueue` without awaiting, right after `runs_now` said so (nothing awaited between the two)."""
         ...
 
     @property
@@ -38,11 +38,11 @@ class Scheduler(Protocol):
         """Serve or fail what is queued, wait for what is executing, release the instances."""
 
 
-class Submits(Protocol):
+class Schedules(Protocol):
     """A scheduler that also queues a request without a coroutine (DynamicBatcher): the caller is called back with the
-    outcome (InferenceService.infer_soon)."""
+    outcome (InferenceService.submit's queued run step)."""
 
-    def submit(
+    def schedule(
         self, request: InferenceRequest, done: Callable[[InferenceResponse | BaseException], None]
     ) -> Pending | None:
         """Queue `request` (raising what `enqueue` raises): `done` gets its response or error; None, having done
@@ -50,7 +50,7 @@ class Submits(Protocol):
         ...
 
     def withdraw(self, pending: Pending) -> bool:
-        """The caller of a submitted request went away: False when its outcome is known already, else `done` is never
+        """The caller of a scheduled request went away: False when its outcome is known already, else `done` is never
         called and it leaves the queue."""
         ...
 
@@ -58,10 +58,10 @@ class Submits(Protocol):
 class AnswersLater:
     """For a scheduler whose requests always wait (in a queue, for a batch, for their steps): never ready now."""
 
-    def ready_now(self) -> bool:
+    def runs_now(self) -> bool:
         return False
 
-    def answer_now(self, request: InferenceRequest) -> InferenceResponse:
+    def run_now(self, request: InferenceRequest) -> InferenceResponse:
         raise InternalError(f"the scheduler of model '{request.model_name}' cannot answer without awaiting")
 
 

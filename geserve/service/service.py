@@ -34,7 +34,7 @@ from geserve.errors import (
 from geserve.repository.lifecycle import ModelManager, group_index
 from geserve.repository.model import LoadedModel
 from geserve.scheduling.queue import Pending
-from geserve.scheduling.scheduler import Submits
+from geserve.scheduling.scheduler import Schedules
 from geserve.service import deadlines
 from geserve.service.audit import AuditLog
 from geserve.service.classification import classify
@@ -348,16 +348,16 @@ class InferenceService:
         if not self.shortcuts or self.tracer is not None or model.response_cache:
             return None
         scheduler = model.scheduler
-        if scheduler.ready_now():
+        if scheduler.runs_now():
             self.paths[_INLINE] += 1
             return self._run_now(model, request, started)
-        submit = getattr(scheduler, "submit", None)
-        if submit is None:
+        schedule = getattr(scheduler, "schedule", None)
+        if schedule is None:
             return None
         watched = Watched(answer, request, deadline) if deadline is not None else None
         done = partial(self._finished, model, request, started, watched or answer)
         try:
-            pending = submit(request, done)
+            pending = schedule(request, done)
         except Exception as exc:  # a refusal (a full queue): counted as `_run` counts it
             _account(model, started, exc)
             raise
@@ -365,13 +365,13 @@ class InferenceService:
             return None
         self.paths[_QUEUED] += 1
         self._enter()
-        withdraw = partial(self._withdraw, cast(Submits, scheduler), pending, model, request, started)
+        withdraw = partial(self._withdraw, cast(Schedules, scheduler), pending, model, request, started)
         return withdraw if watched is None else watched.bind(withdraw)
 
     def _run_now(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
         self._enter()
         try:
-            response = self._succeeded(model, request, model.scheduler.answer_now(request), started)
+            response = self._succeeded(model, request, model.scheduler.run_now(request), started)
         except Exception as exc:  # as in `_run`
             _account(model, started, exc)
             raise
@@ -381,7 +381,7 @@ class InferenceService:
         return response
 
     def _withdraw(
-        self, scheduler: Submits, pending: Pending, model: LoadedModel, request: InferenceRequest, started: int
+        self, scheduler: Schedules, pending: Pending, model: LoadedModel, request: InferenceRequest, started: int
     ) -> None:
         if scheduler.withdraw(pending):
             self._leave()

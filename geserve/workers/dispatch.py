@@ -55,8 +55,7 @@ def doors(settings: ServerSettings) -> list[Door]:
     if settings.allow_http and settings.http_server == "native":
         cap = settings.http_max_connections if settings.http_max_connections > 0 else math.inf
         found.append(Door(HTTP, settings.http_address, settings.http_port, cap))
-    grpc_tls = settings.grpc_use_ssl or settings.grpc_use_ssl_mutual  # mutual implies TLS, as Triton's flags
-    if settings.allow_grpc and settings.grpc_server == "native" and not grpc_tls:
+    if settings.allow_grpc and settings.grpc_server == "native":  # cleartext or TLS: the worker adopts either
         found.append(Door(GRPC, settings.grpc_address, settings.grpc_port))
     return found
 

@@ -1,5 +1,5 @@
 """Requests answered at once, without awaiting (an inference whose model runs on the loop with a free instance): the
-instance pool's hand-over that keeps that possible under load, and the HTTP frontend's `respond_now` giving the
+instance pool's hand-over that keeps that possible under load, and the HTTP frontend's `begin` giving the
 answers, errors and statistics `respond` gives. Pure asyncio with fake instances, and an in-process server."""
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def test_a_released_instance_serves_a_request_at_once_before_the_woken_waiters_i
         first = asyncio.ensure_future(scheduler.enqueue(request("first")))
         second = asyncio.ensure_future(scheduler.enqueue(request("second")))
         await asyncio.sleep(0.01)
-        assert not scheduler.ready_now()
+        assert not scheduler.runs_now()
         pool.release(held)
-        assert scheduler.ready_now() and not pool.has_free  # free for `answer_now`; not for a queued newcomer
-        assert scheduler.answer_now(request("now")).id == "now"
+        assert scheduler.runs_now() and not pool.has_free  # free for `run_now`; not for a queued newcomer
+        assert scheduler.run_now(request("now")).id == "now"
         assert [(await first).id, (await second).id] == ["first", "second"]
         await scheduler.stop()
 
@@ -159,7 +159,7 @@ def test_an_instance_that_does_not_opt_in_never_runs_on_the_loop() -> None:
         pool = InstancePool("m", [fake], ModelStatistics(), inline_below_us=1_000_000)
         pool._typical_ns = 1
         scheduler = DirectScheduler(pool)
-        assert not pool.runs_now and not scheduler.ready_now()
+        assert not pool.runs_now and not scheduler.runs_now()
         assert (await scheduler.enqueue(request("queued"))).id == "queued"  # served on the instance's thread
         assert fake.batches == [["queued"]]
         await scheduler.stop()
@@ -195,8 +195,8 @@ def test_a_model_that_turns_slow_on_the_loop_moves_to_its_thread_within_a_few_ru
         pool._typical_ns = 600_000  # it used to take 0.6 ms
         scheduler = DirectScheduler(pool)
         runs = 0
-        while scheduler.ready_now() and runs < 16:
-            scheduler.answer_now(request(f"r{runs}"))
+        while scheduler.runs_now() and runs < 16:
+            scheduler.run_now(request(f"r{runs}"))
             runs += 1
         assert not pool.runs_now, f"still on the loop after {runs} runs ({pool._typical_ns / 1e3:.0f} µs typical)"
         assert (await scheduler.enqueue(request("later"))).id == "later"  # served on its thread now
