@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import tritonclient.http as httpclient
-from onnx import TensorProto, helper
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -35,23 +33,6 @@ from tests.support.server import geserve  # noqa: E402
 
 CACHED = "response_cache { enable: true }"
 BIG = 150528  # FP32 elements: 602 KB
-
-
-def _identity(repo: Path, name: str) -> None:
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], name,
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", "n"])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", "n"])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    (repo / name / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / name / "1" / "model.onnx"))
-    (repo / name / "config.pbtxt").write_text(
-        f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
-        f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]\n{CACHED}\n'
-    )
 
 
 def _cases() -> list[tuple[str, str, list[httpclient.InferInput]]]:
@@ -98,7 +79,7 @@ def main() -> None:
         repo = Path(tmp) / "models"
         repo.mkdir()
         models.simple(repo, "simple_cached", extra=CACHED)
-        _identity(repo, "identity_cached")
+        models.identity_fp32(repo, "identity_cached", CACHED)
         for round_ in range(args.rounds):
             for workers in counts[round_ % len(counts):] + counts[: round_ % len(counts)]:
                 server_args = ["--workers", str(workers), "--cache-config", f"local,size={64 << 20}"]

@@ -20,21 +20,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.support import models
 from tests.support.server import RunningServer, start_geserve, stop_geserve
 
-SLOW_MODEL = '''
-import time
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        seconds = max(float(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().max()) for r in requests)
-        time.sleep(seconds)
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
-                                                            .as_numpy() * 2)]) for r in requests]
-'''
 SLOW_CONFIG = '''
 backend: "python"
 max_batch_size: 4
@@ -48,9 +36,7 @@ dynamic_batching { max_queue_delay_microseconds: 1000 }
 @pytest.fixture(scope="module")
 def slow_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("exit") / "models"
-    (root / "slow" / "1").mkdir(parents=True)
-    (root / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
-    (root / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    models.slow_python(root, "slow", SLOW_CONFIG)
     return root
 
 

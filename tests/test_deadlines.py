@@ -16,20 +16,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.support import models
 from tests.support.server import RunningServer, start_geserve, stop_geserve
 
-SLOW_MODEL = '''
-import time
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        seconds = max(float(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().max()) for r in requests)
-        time.sleep(seconds)
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
-                                                            .as_numpy() * 2)]) for r in requests]
-'''
 TENSORS = ('input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]\n'
            'output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]\n'
            'instance_group [{ kind: KIND_CPU, count: 1 }]\n')
@@ -46,9 +35,7 @@ SLOW_S = 0.8
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("deadlines") / "models"
     for name, config in CONFIGS.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(config)
-        (root / name / "1" / "model.py").write_text(SLOW_MODEL)
+        models.slow_python(root, name, config)
     return root
 
 

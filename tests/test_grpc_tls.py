@@ -39,18 +39,6 @@ from tests.support.server import RunningServer, geserve
 
 TIMEOUT = 10.0  # seconds any one client call may take
 LOCAL = ["--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1"]
-SLOW_MODEL = '''
-import time
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        seconds = max(float(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().max()) for r in requests)
-        time.sleep(seconds)
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
-                                                            .as_numpy() * 2)]) for r in requests]
-'''
 SLOW_CONFIG = ('backend: "python"\nmax_batch_size: 0\n'
                'input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]\n'
                'output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]\n'
@@ -92,9 +80,7 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("grpc_tls") / "models"
     models.simple(root)
-    (root / "slow" / "1").mkdir(parents=True)
-    (root / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
-    (root / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    models.slow_python(root, "slow", SLOW_CONFIG)
     return root
 
 

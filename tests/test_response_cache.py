@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from geserve.cli import build_parser, settings_from_args
@@ -95,24 +93,6 @@ _WIRE = {"i4": "INT32", "f4": "FP32", "u1": "UINT8", "i8": "INT64"}
 
 def _output(name: str, data: np.ndarray, datatype: str = "FP32") -> OutputTensor:
     return OutputTensor(name, datatype, data.shape, data)
-
-
-def _identity_fp32(repo: Path, name: str, extra: str = CACHED) -> None:
-    """FP32 [batch, n] identity (ONNX Runtime), batching, variable length."""
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], name,
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", "n"])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", "n"])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    (repo / name / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / name / "1" / "model.onnx"))
-    (repo / name / "config.pbtxt").write_text(
-        f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
-        f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]\n{extra}\n'
-    )
 
 
 def _scaled(repo: Path, name: str = "scaled") -> None:
@@ -381,7 +361,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo.mkdir()
     models.simple(repo, "simple_cached", extra=CACHED)
     models.simple(repo, "simple_plain")
-    _identity_fp32(repo, "identity_cached")
+    models.identity_fp32(repo, "identity_cached", CACHED)
     _scaled(repo)
     # Ensembles: one whose steps cache (the ensemble does not), one that caches itself (its steps do not).
     ensembles.add_sub(repo, "add_sub_cached", extra=CACHED)
@@ -631,7 +611,7 @@ def _ab(a: np.ndarray, b: np.ndarray, module: Any = httpclient) -> list[Any]:
 def test_eviction_by_bytes_least_recently_used_first(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     repo.mkdir()
-    _identity_fp32(repo, "identity_cached")
+    models.identity_fp32(repo, "identity_cached", CACHED)
     one = entry_size([_output("OUTPUT0", np.zeros((1, 1000), np.float32))])  # what a 1000-element answer costs
     size = 2 * one + 100  # room for two of them
     with geserve([repo], tmp_path / "server.log", ["--cache-config", f"local,size={size}"]) as server:

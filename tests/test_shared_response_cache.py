@@ -32,7 +32,7 @@ from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor, OutputTensor
 from tests.support import models
 from tests.support.server import RunningServer, geserve
-from tests.test_workers import http_connections, wait_ready
+from tests.test_workers import http_connections, kill_a_worker, wait_ready
 
 CACHED = "response_cache { enable: true }"
 ROUNDS = 24  # new connections, each held, so that the supervisor deals them out to both workers in turn
@@ -438,13 +438,7 @@ def test_a_restarted_worker_finds_the_servers_entries(server: RunningServer) -> 
     a, b = np.full((1, 16), 9, np.int32), np.full((1, 16), 4, np.int32)
     _on_fresh_connections(server, a, b, 2)
     before = _stats(server, "simple_cached")
-    victim = server.children()[0]
-    os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while victim in server.children() or len(server.children()) < 2:
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.1)
-    wait_ready(server)
+    kill_a_worker(server)
     survivor = _stats(server, "simple_cached")
     _on_fresh_connections(server, a, b)
     after = _stats(server, "simple_cached")

@@ -246,8 +246,8 @@ def test_a_sequence_continues_on_whichever_worker_a_new_connection_reaches(serve
         step(1)  # ended: no worker holds it
 
 
-def test_a_killed_worker_is_restarted_with_the_servers_models(server: RunningServer) -> None:
-    fresh(server).load_model("spare")
+def kill_a_worker(server: RunningServer) -> None:
+    """SIGKILL one worker, and wait until the supervisor has replaced it and every worker is ready."""
     victim = server.children()[0]
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -255,6 +255,11 @@ def test_a_killed_worker_is_restarted_with_the_servers_models(server: RunningSer
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.1)
     wait_ready(server)
+
+
+def test_a_killed_worker_is_restarted_with_the_servers_models(server: RunningServer) -> None:
+    fresh(server).load_model("spare")
+    kill_a_worker(server)
     assert all(simple_request(fresh(server), "spare")[0, 0] == 1 for _ in range(ROUNDS))  # replayed load
     fresh(server).unload_model("spare")
     assert "restarting it" in server.log()

@@ -439,3 +439,46 @@ sequence_batching {{
 }}
 """)
     return model_dir
+
+
+SLOW_PYTHON_MODEL = '''
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        seconds = max(float(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().max()) for r in requests)
+        time.sleep(seconds)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy() * 2)]) for r in requests]
+'''
+
+
+def slow_python(repo: Path, name: str, config: str) -> Path:
+    """A Python model that sleeps as many seconds as its FP32 input `IN` says (the batch's largest), then answers
+    `OUT` = 2 x `IN`: a model to keep an instance busy. `config` is its config.pbtxt."""
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(config)
+    (model_dir / "1" / "model.py").write_text(SLOW_PYTHON_MODEL)
+    return model_dir
+
+
+def identity_fp32(repo: Path, name: str, extra: str = "") -> Path:
+    """FP32 [batch, n] identity (ONNX Runtime), batching up to 8, variable length; `extra` ends its config."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], name,
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", "n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (repo / name / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / name / "1" / "model.onnx"))
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]\n{extra}\n'
+    )
+    return repo / name
