@@ -15,6 +15,11 @@ sides of a ratio are measured minutes apart, so machine noise hits both alike). 
   CPU (this process's reaped-children rusage around each run) and how many cores each took;
 - c1: MLP c=1 p50 over HTTP, geserve `--workers 1` from the working tree vs `--baseline` (default 38a0d2e, the last
   commit before workers) served from a temporary git worktree as ab_compare.py does;
+- ab: MLP c=16, the working tree against `--baseline` (from a temporary worktree as for c1, with its workers),
+  both with `--workers` auto and started with only options both understand, both serving one repository copy:
+  HTTP without and with `dynamic_batching { max_queue_delay_microseconds: 2000 }`, gRPC unary and streaming; a
+  cell's two systems run back to back, the first alternating each round; target: every cell's throughput within
+  5% of the baseline's;
 - resnet: ResNet-50 with `dynamic_batching {}` at c=16 (geserve, `--resnet-workers`, default auto) vs raw ONNX
   Runtime in a child process at its best batch size (picked by a sweep, then measured again after geserve's cell);
 - scaling: MLP c=16 HTTP throughput with `--workers` 1 and 2 (`--workers-list 1,2,4,8,16` on bigger machines);
@@ -44,6 +49,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -59,13 +65,17 @@ from geserve.workers.supervisor import worker_count  # noqa: E402
 from tests.support import reference  # noqa: E402
 from tests.support.server import start_geserve, stop_geserve  # noqa: E402
 
-SECTIONS = ("http", "grpc", "cpu", "c1", "resnet", "scaling", "lean")
+SECTIONS = ("http", "grpc", "cpu", "c1", "ab", "resnet", "scaling", "lean")
 DEFAULT_BASELINE = "38a0d2e"  # the last commit before `--workers` (issue 15)
 QUEUE_DELAY_US = 2000
 RAW_CHECK_S = 6.0  # seconds of ResNet-50's raw best batch measured again (about a perf_analyzer cell's length)
 WINDOW_CAP = 4  # ResNet-50's perf_analyzer window: at most this many times the mode's
 UNSETTLED = 1000  # perf_analyzer --stability-percentage that accepts any windows
 C1_NOISE = 1.10  # c=1 p50 "no worse than the baseline": within 10%, this VM's run-to-run noise at the least
+AB_FLOOR = 0.95  # ab: the working tree's throughput at least this share of the baseline's in every cell
+AB_CELLS = (  # what, protocol, streaming, the servers' suffix
+    ("HTTP c=16", "http", False, ""), (f"HTTP c=16 + DB ({QUEUE_DELAY_US} µs)", "http", False, "_db"),
+    ("gRPC c=16 unary", "grpc", False, ""), ("gRPC c=16 streaming", "grpc", True, ""))
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -219,15 +229,17 @@ def start_lean(name: str, label: str, batching: bool) -> Server:
 
 
 @contextmanager
-def baseline_server(ref: str, repo: Path) -> Iterator[Server]:
-    """geserve at ``ref`` from a temporary git worktree (ab_compare.py's way), one process: GESERVE_WORKERS=1 for
-    a baseline that has workers (older ones ignore the variable)."""
+def baseline_server(ref: str, repo: Path, name: str = "baseline", label: str = "", workers: int = 1) -> Iterator[
+        Server]:
+    """geserve at ``ref`` from a temporary git worktree (ab_compare.py's way, no option but ports and repository),
+    with GESERVE_WORKERS=``workers`` (0: one per core) for a baseline that has workers (older ones ignore it)."""
     with ExitStack() as stack:
         tree = stack.enter_context(ab_compare.worktree(ref))
-        stack.enter_context(environment(GESERVE_WORKERS="1"))
-        running = stack.enter_context(ab_compare.serve(tree, repo, harness.RESULTS / "workers.baseline.log"))
-        server = Server("baseline", f"geserve {ref} (one process)", running.process.pid,
-                        f"127.0.0.1:{running.http_port}", f"127.0.0.1:{running.grpc_port}", 1, lambda: None)
+        with environment(GESERVE_WORKERS=str(workers)):
+            running = stack.enter_context(ab_compare.serve(tree, repo, harness.RESULTS / f"workers.{name}.log"))
+        server = Server(name, label or f"geserve {ref} (one process)", running.process.pid,
+                        f"127.0.0.1:{running.http_port}", f"127.0.0.1:{running.grpc_port}", worker_count(workers),
+                        lambda: None)
         wait_ready(server.http)
         yield server
 
@@ -314,6 +326,9 @@ def plan(sections: list[str], workers_list: list[int]) -> list[Cell]:
     if "c1" in sections:
         cells += [Cell("c1", "MLP HTTP c=1 geserve --workers 1", "g_1", "mlp", concurrency=1),
                   Cell("c1", "MLP HTTP c=1 baseline", "baseline", "mlp", concurrency=1)]
+    if "ab" in sections:  # pairs: baseline, new
+        cells += [Cell("ab", f"MLP {what} {side}", f"ab_{side}{db}", "mlp", protocol, streaming=streaming)
+                  for what, protocol, streaming, db in AB_CELLS for side in ("baseline", "new")]
     if "resnet" in sections:
         cells += [Cell("resnet", "ResNet-50 HTTP c=16 geserve + DB", "g_resnet", "resnet50")]
     if "lean" in sections:
@@ -343,6 +358,17 @@ def start_servers(stack: ExitStack, cells: list[Cell], tmp: Path, baseline: str,
             server = start_triton(name, f"Triton{' + DB' if batching else ''}",
                                   triton_repo("mlp", tmp / name, batching))
             stack.callback(server.stop)
+        elif name.startswith("ab_"):
+            batching = name.endswith("_db")
+            repo = tmp / ("ab_db" if batching else "ab")  # one copy for both systems
+            if not repo.exists():
+                geserve_repo("mlp", repo, batching, QUEUE_DELAY_US)
+            side = f"--workers {worker_count(0)} (auto){' + DB' if batching else ''}"
+            if name.startswith("ab_baseline"):
+                server = stack.enter_context(baseline_server(baseline, repo, name, f"geserve {baseline} {side}", 0))
+            else:
+                server = start_geserve_server(name, f"geserve {commit()} {side}", repo, 0)
+                stack.callback(server.stop)
         elif name == "g_resnet":
             repo = geserve_repo("resnet50", tmp / name, True)
             server = start_geserve_server(name, f"geserve --workers {worker_count(resnet_workers)} + DB", repo,
@@ -378,7 +404,10 @@ def run_round(index: int, cells: list[Cell], servers: dict[str, Server], mode: M
               results: Results) -> None:
     for section in dict.fromkeys(cell.section for cell in cells):
         group = [cell for cell in cells if cell.section == section]
-        order = group[index % len(group):] + group[: index % len(group)]
+        shift = (2 * index if section == "ab" else index) % len(group)
+        order = group[shift:] + group[:shift]
+        if section == "ab" and index % 2:  # a cell's two systems back to back, the first alternating
+            order = [order[i ^ 1] for i in range(len(order))]
         window = mode.window_ms
         if section == "resnet":
             raw = harness.guarded(partial(harness.in_child, harness.raw_onnxruntime, harness.EXAMPLES / "resnet50",
@@ -483,6 +512,10 @@ def targets(results: Results, cells: list[Cell], sections: list[str]) -> list[Ta
         found.append(target(f"MLP HTTP c=1 p50: geserve --workers 1 no worse than the baseline (ratio <= "
                             f"{C1_NOISE:.2f}, the noise allowance)", results, key("c1", "g_1", concurrency=1),
                             key("c1", "baseline", concurrency=1), "p50_us", C1_NOISE, at_most=True))
+    for base, new in ab_pairs(cells):
+        found.append(target(f"{new.key.removesuffix(' new')}: the working tree within {1 - AB_FLOOR:.0%} of the "
+                            f"baseline (throughput ratio >= {AB_FLOOR:.2f})", results, new.key, base.key,
+                            "throughput", AB_FLOOR))
     if "resnet" in sections:
         found.append(resnet_target(results, key("resnet", "g_resnet")))
     return found
@@ -552,6 +585,36 @@ def scaling_table(results: Results, cells: list[Cell], servers: dict[str, Server
     return lines
 
 
+def ab_pairs(cells: list[Cell]) -> list[tuple[Cell, Cell]]:
+    ab = [cell for cell in cells if cell.section == "ab"]
+    return list(zip(ab[::2], ab[1::2], strict=True))
+
+
+def ab_rows(results: Results, cells: list[Cell]) -> list[dict[str, Any]]:
+    """Each A/B cell: both medians and the median of per-round new/baseline ratios, for throughput and CPU."""
+    rows: list[dict[str, Any]] = []
+    for base, new in ab_pairs(cells):
+        row: dict[str, Any] = {"cell": new.key.removesuffix(" new")}
+        for name, short in (("throughput", ""), ("server_cpu_us", "cpu_")):
+            ratio, each = paired_ratio(results, new.key, base.key, name)
+            row |= {f"{short}baseline": median(metric(results, base.key, name)),
+                    f"{short}new": median(metric(results, new.key, name)), f"{short}ratio": ratio,
+                    f"{short}rounds": each}
+        rows.append(row)
+    return rows
+
+
+def ab_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| cell | baseline infer/s | new infer/s | new / baseline | rounds (new / baseline) | baseline server CPU "
+             "µs/inf | new server CPU µs/inf | CPU new / baseline |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row['cell']} | {fmt(row['baseline'])} | {fmt(row['new'])} | {fmt(row['ratio'], 2)} "
+                     f"| {', '.join(f'{r:.2f}' for r in row['rounds']) or '-'} | {fmt(row['cpu_baseline'])} "
+                     f"| {fmt(row['cpu_new'])} | {fmt(row['cpu_ratio'], 2)} |")
+    return lines
+
+
 def lean_lines(results: Results) -> list[str]:
     """The lean server's cells against Triton and geserve measured in the same rounds (the http section's)."""
     lines = []
@@ -579,6 +642,7 @@ def report(results: Results, cells: list[Cell], servers: dict[str, Server], samp
     pa_cores = median([s.pa_cores for runs in results.rounds.values() for s in runs if s is not None])
     scaling = scaling_table(results, cells, servers)
     lean = lean_lines(results)
+    ab = ab_table(ab_rows(results, cells)) if ab_pairs(cells) else []
     return "\n".join([
         "# geserve workers vs Triton (issue 15)",
         "",
@@ -589,6 +653,9 @@ def report(results: Results, cells: list[Cell], servers: dict[str, Server], samp
         *cell_table(results, cells, servers, samples),
         raw_line,
         *(["## Scaling (MLP HTTP c=16, no batching)", "", *scaling, ""] if scaling else []),
+        *([f"## A/B: the working tree ({meta['commit']}) vs {meta['baseline']}, both `--workers` auto (MLP c=16)",
+            "", "Medians over the rounds; ratios are medians of per-round ratios (a cell's two systems run back to "
+            "back, the first alternating).", "", *ab, ""] if ab else []),
         *(["## The lean Python server (bench/lean_server.py: a yardstick, no target)", "", *lean, ""] if lean else []),
         "## Targets (issue 15)",
         "",
@@ -638,7 +705,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round, short windows (under ~5 minutes)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3; --quick: 1)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="the commit the c=1 p50 is compared against")
+    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="the commit c1 and ab compare against")
     parser.add_argument("--workers-list", default="1,2", help="worker counts of the scaling table")
     parser.add_argument("--resnet-workers", type=int, default=0, help="geserve's --workers for ResNet-50 (0: auto)")
     args = parser.parse_args()
@@ -681,6 +748,7 @@ def main() -> int:
                                                  "pa_cpu_us": s.pa_cpu_us, "server_cores": s.server_cores,
                                                  "pa_cores": s.pa_cores} for s in runs]
                    for key, runs in results.rounds.items()},
+        "ab": ab_rows(results, cells),
         "resnet50_raw": [asdict(r) for r in results.raw],
         "resnet50_raw_best_again": results.raw_again,
         "targets": [{"target": t, "passed": ok, "detail": d} for t, ok, d in found],
