@@ -1,16 +1,18 @@
-"""One HTTP/2 connection of the native gRPC server: h2's state machine fed by an asyncio.Protocol, a task per call
-started as its request arrives, responses written under the peer's flow control, keepalive and ping policing."""
+"""One HTTP/2 connection of the native gRPC server: h2's state machine fed by an asyncio.Protocol, its events handed
+to a handler each, which start and feed the calls. Its collaborators: the `Responder` (h2_responder.py), which answers
+the calls (unary ones without a task where their Begin can) under the peer's flow control, and the `Keepalive`
+(h2_keepalive.py), which pings a quiet client and polices the client's pings."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import grpc
 import h2.config
@@ -26,7 +28,17 @@ from h2.stream import StreamClosedBy, StreamInputs
 from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
 from geserve.arrivals import ARRIVALS
-from geserve.frontends.grpc.h2_context import PREFIX, CallError, H2Call, parse_timeout
+from geserve.frontends.grpc.h2_context import CallError, H2Call, parse_timeout
+from geserve.frontends.grpc.h2_keepalive import Keepalive
+from geserve.frontends.grpc.h2_responder import (
+    RESPONSE_HEADERS,
+    STATUS_SERVER_STOPPING,
+    Begin,
+    Header,
+    Responder,
+    status_headers,
+)
+from geserve.frontends.grpc.h2_responder import grpc_message as grpc_message  # re-exported, as before the split
 from geserve.frontends.grpc.server import GrpcOptions
 
 logger = logging.getLogger(__name__)
@@ -37,17 +49,10 @@ if TYPE_CHECKING:  # generic in the stubs only
     Method: TypeAlias = grpc.RpcMethodHandler[Any, Any]
 else:
     Method = grpc.RpcMethodHandler
-# A unary method's handler that may answer without a task: the response message, an error status (code, details),
-# or None to be served by the method's own handler as usual.
-Begin = Callable[[Any, Any, Callable[[Any], None]], Any]  # (request, the call as its servicer context, deliver)
-Header = tuple[bytes, bytes]
-
 # What the client may send ahead of our acknowledgements: large, as grpc's BDP probing grows its windows, so that a
 # request of a few MB does not wait for round trips of WINDOW_UPDATEs.
 STREAM_WINDOW = 4 * 1024 * 1024
 CONNECTION_WINDOW = 16 * 1024 * 1024
-IDLE_PING_INTERVAL_S = 7200.0  # grpc core: with no call under way, a client may ping once every two hours
-_STATUS_SERVER_STOPPING = (grpc.StatusCode.UNAVAILABLE, "server shutting down")
 
 _CONFIG = h2.config.H2Configuration(
     client_side=False, header_encoding=None,  # headers stay bytes: nothing is decoded that is not read
@@ -56,10 +61,7 @@ _CONFIG = h2.config.H2Configuration(
     validate_outbound_headers=False, normalize_outbound_headers=False,
     validate_inbound_headers=False, normalize_inbound_headers=False,
 )
-_RESPONSE_HEADERS: list[Header] = [(b":status", b"200"), (b"content-type", b"application/grpc")]
-_OK_TRAILERS: list[Header] = [(b"grpc-status", b"0")]
 _UNSUPPORTED_MEDIA: list[Header] = [(b":status", b"415"), (b"content-type", b"text/plain")]
-_KEEPALIVE_PING = b"geserve!"
 
 # The response's own header blocks, HPACK-encoded once: ":status: 200" from the static table, and literals "without
 # indexing", which leave both sides' dynamic tables alone, so the same bytes are right at any point of a connection.
@@ -69,26 +71,6 @@ _FRAME_HEAD = struct.Struct(">IBI")  # length << 8 | type, flags, stream id
 _DATA, _HEADERS = 0x0, 0x1
 _END_STREAM, _END_HEADERS = 0x1, 0x4
 _RESPONSE_LENGTH_TYPE, _OK_LENGTH_TYPE = len(_RESPONSE_BLOCK) << 8 | _HEADERS, len(_OK_BLOCK) << 8 | _HEADERS
-
-
-def grpc_message(details: str) -> bytes:
-    """The grpc-message header's value: UTF-8, percent-encoding what is outside printable ASCII and '%' (gRPC spec)."""
-    raw = details.encode("utf-8")
-    if all(0x20 <= byte <= 0x7E and byte != 0x25 for byte in raw):
-        return raw
-    return b"".join(bytes((byte,)) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte for byte in raw)
-
-
-def status_headers(code: grpc.StatusCode, details: str) -> list[Header]:
-    headers = [(b"grpc-status", str(code.value[0]).encode())]
-    if details:
-        headers.append((b"grpc-message", grpc_message(details)))
-    return headers
-
-
-def _behaviour(first: Any, second: Any) -> Callable[[Any, H2Call], Any]:
-    """The handler's coroutine (or async generator) function of its shape; grpc's stubs type them synchronous."""
-    return cast("Callable[[Any, H2Call], Any]", first if first is not None else second)  # a string: no alias per call
 
 
 def format_peer(address: Any) -> str:
@@ -188,17 +170,18 @@ class _H2Connection(h2.connection.H2Connection):
         if frames:  # h2's, less an assertion over every frame
             self._data_to_send += b"".join(f.serialize() for f in frames)
 
-    def fast_frames(self, sid: int, headers: bool, message: bytes | None, trailers: bool) -> bytes | None:
+    def fast_frames(self, sid: int, headers: bool, message: bytes, trailers: bool) -> bytes | None:
         """A response's frames built here rather than by h2's send_headers / send_data (about 3x cheaper): the
-        response headers, one DATA frame of `message` and the OK trailers, each optional, with the stream's state and
-        both flow-control windows kept as h2 keeps them. None when h2 must do it (the message needs more than one
-        frame or than the windows allow, or the stream or the connection is not open for sending)."""
+        response headers if `headers`, one DATA frame of `message`, and the OK trailers if `trailers`, with the
+        stream's state and both flow-control windows kept as h2 keeps them. None when h2 must do it (the message
+        needs more than one frame or than the windows allow, or the stream or the connection is not open for
+        sending)."""
         stream = self.streams.get(sid)
         if stream is None or self.state_machine.state is ConnectionState.CLOSED:
             return None
-        size = 0 if message is None else len(message)
-        if size and (size > self.max_outbound_frame_size or size > stream.outbound_flow_control_window
-                     or size > self.outbound_flow_control_window):
+        size = len(message)
+        if size > self.max_outbound_frame_size or size > stream.outbound_flow_control_window or (
+                size > self.outbound_flow_control_window):
             return None
         machine = stream.state_machine
         try:
@@ -206,12 +189,11 @@ class _H2Connection(h2.connection.H2Connection):
             if headers:
                 machine.process_input(StreamInputs.SEND_HEADERS)
                 parts.append(_FRAME_HEAD.pack(_RESPONSE_LENGTH_TYPE, _END_HEADERS, sid) + _RESPONSE_BLOCK)
-            if message is not None:
-                machine.process_input(StreamInputs.SEND_DATA)
-                parts.append(_FRAME_HEAD.pack(size << 8 | _DATA, 0, sid))
-                parts.append(message)
-                stream.outbound_flow_control_window -= size
-                self.outbound_flow_control_window -= size
+            machine.process_input(StreamInputs.SEND_DATA)
+            parts.append(_FRAME_HEAD.pack(size << 8 | _DATA, 0, sid))
+            parts.append(message)
+            stream.outbound_flow_control_window -= size
+            self.outbound_flow_control_window -= size
             if trailers:
                 machine.process_input(StreamInputs.SEND_HEADERS)
                 machine.process_input(StreamInputs.SEND_END_STREAM)
@@ -221,8 +203,51 @@ class _H2Connection(h2.connection.H2Connection):
         return b"".join(parts)
 
 
+class State(Enum):
+    """Where a connection is in its life (the table in GrpcH2Connection's docstring)."""
+
+    OPEN = "serving: a new stream starts a call"
+    DRAINING = "the graceful stop's GOAWAY sent: calls under way go on, new streams are refused"
+    ENDING = "a GOAWAY with an error sent: nothing more is read, the socket closes within a second"
+    CLOSED = "closing or closed: nothing more is read"
+
+
+class _Event(Protocol):
+    """h2's events of a stream as the connection reads them: h2 sets these fields on every event it received (its
+    classes type them optional, for events built empty)."""
+
+    stream_id: int
+
+
+class _Data(_Event, Protocol):
+    data: bytes
+    flow_controlled_length: int
+
+
+class _Request(_Event, Protocol):
+    headers: list[Header]  # bytes: header_encoding=None
+
+
+# Module names for the states, as the read path tests them (`state is OPEN`): a global's load, no attribute lookup.
+OPEN, DRAINING, ENDING, CLOSED = State
+
+
 class GrpcH2Connection(asyncio.Protocol):
-    """Reads frames into events, events into calls; each call's task writes its response as it completes."""
+    """Bytes in, h2's events out of them, a handler per event (`_ON_EVENT`), calls started and fed by the handlers;
+    its `Responder` answers the calls, its `Keepalive` pings the client and polices its pings.
+
+    | state    | a new stream                   | moved on by                                                         |
+    |----------|--------------------------------|---------------------------------------------------------------------|
+    | OPEN     | a call (or 415, UNIMPLEMENTED) | `go_away` (the server's graceful stop): DRAINING, and CLOSED at once |
+    |          |                                | when no call is under way                                           |
+    | DRAINING | refused: RST_STREAM            | its last call ending (answered, reset, aborted): CLOSED (`close`)   |
+    |          | REFUSED_STREAM                 |                                                                     |
+    | ENDING   | -- (nothing is read)           | the socket closing, a second after the GOAWAY at most: CLOSED       |
+    | CLOSED   | -- (nothing is read)           | --                                                                  |
+
+    OPEN and DRAINING move to ENDING on bytes h2 refuses (its GOAWAY PROTOCOL_ERROR) or too many client pings (GOAWAY
+    ENHANCE_YOUR_CALM too_many_pings), by `_end`, which cancels the calls; to CLOSED on the client's GOAWAY (the calls
+    cancelled), `close` (the server stopping, an unexpected error) or the socket lost (`connection_lost`)."""
 
     def __init__(self, options: GrpcOptions, resolve: Callable[[bytes | None], Method | None],
                  connections: set[GrpcH2Connection],
@@ -232,22 +257,19 @@ class GrpcH2Connection(asyncio.Protocol):
         self.begin = begin
         self.connections = connections
         self.max_receive = options.max_message_size
-        self.max_send = options.max_message_size
         self.options = options
         self.h2 = _H2Connection(_CONFIG)
         self.calls: dict[int, H2Call] = {}
         self.peer = ""
         self.transport: asyncio.Transport | None = None
+        self.state = OPEN
         self.paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
-        self.closing = False  # GOAWAY sent: no new calls, close once the last one ends
-        self.timer: asyncio.TimerHandle | None = None  # the keepalive's one timer: next ping, or its ack's deadline
-        self.awaiting_ack = False
-        self.last_ping: float | None = None  # when the client last pinged with no response sent since
-        self.strikes = 0
+        self.keepalive = Keepalive(self, options, self.loop)
+        self.responder = Responder(self, options.max_message_size)
         self.on_close: Callable[[], None] | None = None  # a connection handed over by the supervisor reports its close
         self.out: list[bytes] = []  # bytes to write at the end of this loop iteration
-        self.ending = False  # a GOAWAY ended it: what still arrives is dropped until it closes
+        self._closer: asyncio.TimerHandle | None = None  # ENDING: the socket's close, a second after the GOAWAY
 
     # ---- asyncio.Protocol -----------------------------------------------------------------------------
 
@@ -264,17 +286,19 @@ class GrpcH2Connection(asyncio.Protocol):
         self.transport.write(conn.data_to_send())
         self.connections.add(self)
         ARRIVALS.open_ended += 1  # a client may open a stream at any time: no batch goes early while it is here
-        self._schedule_keepalive()
+        self.keepalive.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.state = CLOSED
         self.connections.discard(self)
         ARRIVALS.open_ended -= 1
         if self.on_close is not None:
             self.on_close()
             self.on_close = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.keepalive.stop()
+        if self._closer is not None:
+            self._closer.cancel()
+            self._closer = None
         self._cancel_calls()
         self._wake_drain()
 
@@ -286,40 +310,23 @@ class GrpcH2Connection(asyncio.Protocol):
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
-        if self.ending:
+        state = self.state
+        if state is ENDING or state is CLOSED:
             return
-        conn = self.h2
         transport = self.transport
         assert transport is not None
         try:
-            events = conn.receive_data(data)
+            events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:  # h2 queued a GOAWAY with the error
             logger.debug("grpc: closing a connection from %s: %s", self.peer, exc)
             self._end()
             return
+        handlers = _ON_EVENT
         try:
             for event in events:
-                kind = type(event)
-                if kind is h2.events.DataReceived:
-                    self._on_data(cast(h2.events.DataReceived, event))
-                elif kind is h2.events.RequestReceived:
-                    self._on_request(cast(h2.events.RequestReceived, event))
-                elif kind is h2.events.StreamEnded:
-                    self._on_end(cast(h2.events.StreamEnded, event).stream_id or 0)
-                elif kind is h2.events.WindowUpdated:
-                    self._wake_writers(cast(h2.events.WindowUpdated, event).stream_id or 0)
-                elif kind is h2.events.StreamReset:
-                    self._on_reset(cast(h2.events.StreamReset, event).stream_id or 0)
-                elif kind is h2.events.PingReceived:
-                    self._on_ping()
-                elif kind is h2.events.PingAckReceived:
-                    self._on_ping_ack()
-                elif kind is h2.events.RemoteSettingsChanged:
-                    self._wake_writers(0)  # a new initial window size changes every stream's window
-                elif kind is h2.events.ConnectionTerminated:  # the client's GOAWAY: h2 sends nothing after it
-                    self._cancel_calls()
-                    self.close()
-                    return
+                handler = handlers.get(type(event))
+                if handler is not None:
+                    handler(self, event)
                 if transport.is_closing():
                     return
         except Exception:
@@ -327,83 +334,72 @@ class GrpcH2Connection(asyncio.Protocol):
             self._cancel_calls()
             transport.abort()
             return
-        self._flush()
+        self.flush()
 
-    # ---- requests -------------------------------------------------------------------------------------
+    # ---- h2's events ----------------------------------------------------------------------------------
 
-    def _on_request(self, event: h2.events.RequestReceived) -> None:
-        sid = event.stream_id or 0
-        headers: list[Header] = event.headers or []  # bytes: header_encoding=None
-        path = content_type = timeout = encoding = None
-        for name, value in headers:
-            if name == b":path":
-                path = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                timeout = value
-            elif name == b"grpc-encoding":
-                encoding = value
-        if self.closing:
-            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+    def _on_request(self, event: _Request) -> None:
+        sid, headers = event.stream_id, event.headers
+        found = dict(headers)  # the last of a repeated header, as grpc reads them (as cheap as a loop over them)
+        path = found.get(b":path")
+        content_type = found.get(b"content-type")
+        state = self.state
+        if state is not OPEN:  # ENDING (a stream later in the read that ended it): h2 sends nothing more
+            if state is DRAINING:
+                self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             return
         if content_type is None or not content_type.startswith(b"application/grpc"):
             self.h2.send_headers(sid, _UNSUPPORTED_MEDIA, end_stream=True)
             return
         method = self.resolve(path)
         if method is None:
-            self.h2.send_headers(sid, _RESPONSE_HEADERS + status_headers(
+            self.h2.send_headers(sid, RESPONSE_HEADERS + status_headers(
                 grpc.StatusCode.UNIMPLEMENTED, "Method not found!"), end_stream=True)
             return
         deadline = None
+        timeout = found.get(b"grpc-timeout")
         if timeout is not None and (seconds := parse_timeout(timeout)) is not None:
             deadline = time.monotonic() + seconds
+        encoding = found.get(b"grpc-encoding")
         call = H2Call(self, sid, method, headers, deadline, None if encoding == b"identity" else encoding)
         self.calls[sid] = call
         call.now = self.begin(path)
         if method.request_streaming:
             call.inbox = collections.deque()
-            call.task = self.loop.create_task(self._serve(call, call.requests()))
+            call.task = self.loop.create_task(self.responder.serve(call, call.requests()))
 
-    def _on_data(self, event: h2.events.DataReceived) -> None:
-        sid = event.stream_id or 0
-        size = event.flow_controlled_length or 0
+    def _on_data(self, event: _Data) -> None:
+        sid, size = event.stream_id, event.flow_controlled_length
         call = self.calls.get(sid)
         if call is None or call.done:
             if size:
                 self.h2.acknowledge_received_data(size, sid)
             return
         try:
-            messages = call.take_messages(event.data or b"")
+            messages = call.take_messages(event.data)
         except CallError as exc:
             self.h2.acknowledge_received_data(size, sid)
             self._fail(call, exc.code, exc.details)
             return
-        if call.inbox is None:  # a unary request: kept until the stream ends
-            if size:
-                self.h2.acknowledge_received_data(size, sid)
-            if messages and call.request is None:
-                call.request = messages[0]
+        if call.inbox is not None:
+            self._on_streamed(call, messages, size)
             return
+        if size:  # a unary request: kept until the stream ends
+            self.h2.acknowledge_received_data(size, sid)
+        if messages and call.request is None:
+            call.request = messages[0]
+
+    def _on_streamed(self, call: H2Call, messages: list[bytes], size: int) -> None:
+        """Streamed requests' bytes: acknowledged unless the handler is behind, the messages delivered."""
         if call.backlogged:  # the handler is not reading: the client's window closes until it does
             call.unacked += size
         elif size:
-            self.h2.acknowledge_received_data(size, sid)
+            self.h2.acknowledge_received_data(size, call.stream_id)
         if messages:
             call.deliver(messages, False)
 
-    def acknowledge(self, call: H2Call) -> None:
-        """A streaming handler caught up: hand the bytes it held back to the client."""
-        size, call.unacked = call.unacked, 0
-        if size and not call.done:
-            try:
-                self.h2.acknowledge_received_data(size, call.stream_id)
-            except h2.exceptions.ProtocolError:
-                return
-            self._flush()
-
-    def _on_end(self, sid: int) -> None:
-        call = self.calls.get(sid)
+    def _on_end(self, event: _Event) -> None:
+        call = self.calls.get(event.stream_id)
         if call is None or call.done:
             return
         call.request_ended = True
@@ -417,185 +413,67 @@ class GrpcH2Connection(asyncio.Protocol):
             return
         parse = call.method.request_deserializer
         request = parse(message) if parse is not None else message
-        if call.now is None or not self._begin(call, call.now, request):
-            call.task = self.loop.create_task(self._serve(call, request))
+        responder = self.responder
+        if call.now is None or not responder.begin(call, call.now, request):
+            call.task = self.loop.create_task(responder.serve(call, request))
 
-    def _begin(self, call: H2Call, begin: Begin, request: Any) -> bool:
-        """A unary call its handler starts without a task (Begin): answered here, now or when it delivers (the
-        handler returned the call that withdraws it); False: left to `_serve`."""
-        answer = begin(request, call, functools.partial(self._answered, call))
-        if answer is None:
-            return False
-        if isinstance(answer, tuple) or not callable(answer):
-            self._answered(call, answer)
-        else:
-            call.withdraw = answer
-        return True
-
-    def _answered(self, call: H2Call, answer: Any) -> None:
-        """A unary call's response message, or its status (code, details), sent now."""
-        if call.done:  # reset by the client, or the server stopped it
-            return
-        call.withdraw = None
-        if isinstance(answer, tuple):
-            self._finish(call, *answer)
-        else:
-            payload = call.method.response_serializer(answer) if call.method.response_serializer else answer
-            if not self._respond(call, payload):  # the windows are short: sent in parts, by a task
-                call.task = self.loop.create_task(self._serve_answer(call, payload))
-                return
-        self._forget(call)
-
-    def _on_reset(self, sid: int) -> None:
-        call = self.calls.pop(sid, None)
+    def _on_reset(self, event: _Event) -> None:
+        call = self.calls.pop(event.stream_id, None)
         if call is not None:
             call.reset = call.done = True
             call.stop()
-        if self.closing and not self.calls:
+        if self.state is DRAINING and not self.calls:
             self.close()
+
+    def _on_window(self, event: _Event) -> None:
+        sid = event.stream_id
+        if not sid:
+            self._wake_writers()
+            return
+        call = self.calls.get(sid)
+        waiter = call.window_waiter if call is not None else None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_settings(self, event: h2.events.RemoteSettingsChanged) -> None:
+        self._wake_writers()  # a new initial window size changes every stream's window
+
+    def _on_ping(self, event: h2.events.PingReceived) -> None:
+        if self.keepalive.on_ping():
+            logger.info("grpc: closing the connection from %s: too many pings", self.peer)
+            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too_many_pings")
+            self._end()
+
+    def _on_ping_ack(self, event: h2.events.PingAckReceived) -> None:
+        self.keepalive.on_ping_ack()
+
+    def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+        """The client's GOAWAY: h2 sends nothing after it."""
+        self._cancel_calls()
+        self.close()
 
     # ---- calls ----------------------------------------------------------------------------------------
 
-    async def _serve(self, call: H2Call, request: Any) -> None:
-        method = call.method
-        try:
-            if method.response_streaming:
-                result = _behaviour(method.unary_stream, method.stream_stream)(request, call)
-                if hasattr(result, "__anext__"):  # an async generator's responses are written as it yields them
-                    async for message in result:
-                        await call.write(message)
-                else:
-                    await result
-                self._finish(call, call.code, call.details)
-            else:
-                response = await _behaviour(method.unary_unary, method.stream_unary)(request, call)
-                payload = method.response_serializer(response) if method.response_serializer else response
-                if not self._respond(call, payload):
-                    await self.send_message(call, payload)
-                    self._finish(call, grpc.StatusCode.OK, "")
-        except asyncio.CancelledError:
-            if not call.reset:  # not the client's doing: the server is stopping
-                self._finish(call, *_STATUS_SERVER_STOPPING)
-            raise
-        except grpc.aio.AbortError:
-            self._finish(call, call.code, call.details)
-        except Exception as exc:
-            logger.exception("grpc: unhandled error serving %s", getattr(method, "path", "a call"))
-            self._finish(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
-        finally:
-            self._forget(call)
-
-    async def _serve_answer(self, call: H2Call, payload: bytes) -> None:
-        """A unary answer `_answered` could not send at once: sent as the windows open."""
-        try:
-            await self.send_message(call, payload)
-            self._finish(call, grpc.StatusCode.OK, "")
-        except asyncio.CancelledError:
-            if not call.reset:
-                self._finish(call, *_STATUS_SERVER_STOPPING)
-            raise
-        finally:
-            self._forget(call)
-
-    def _forget(self, call: H2Call) -> None:
-        """The call is over: the connection no longer tracks it (and closes once its last call ends, if closing)."""
-        if self.calls.get(call.stream_id) is call:
-            del self.calls[call.stream_id]
-        if self.closing and not self.calls:
-            self.close()
-
-    def _respond(self, call: H2Call, payload: bytes) -> bool:
-        """A unary response in one write (headers, message, trailers) when the peer's window has room for it;
-        False when it must be sent in parts."""
-        size = len(payload)
-        if size > self.max_send:
-            self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"Sent message larger than max ({size} vs. {self.max_send})")
-            return True
-        if call.done:
-            return True
-        if self.paused:
-            return False
-        frames = self.h2.fast_frames(call.stream_id, True, PREFIX.pack(0, size) + payload, True)
-        if frames is None:
-            return False
-        pending = self.h2.data_to_send()
-        assert self.transport is not None
-        self._send(pending + frames if pending else frames)
-        call.done = True
-        self.last_ping, self.strikes = None, 0  # data sent: the client's next ping is welcome (grpc core)
-        return True
-
-    def send_now(self, call: H2Call, payload: bytes) -> bool:
-        """One message in one frame, now, when the windows allow it (the common case); False: nothing was sent."""
-        if self.paused or call.done or len(payload) > self.max_send:
-            return False
-        conn = self.h2
-        frames = conn.fast_frames(call.stream_id, not call.headers_sent, PREFIX.pack(0, len(payload)) + payload, False)
-        if frames is None:
-            return False
-        call.headers_sent = True
-        self.last_ping, self.strikes = None, 0
-        pending = conn.data_to_send()
-        self._send(pending + frames if pending else frames)
-        return True
-
-    async def send_message(self, call: H2Call, payload: bytes) -> None:
-        """One message on the call's stream, split to the peer's frame size and windows, waiting for them to open."""
-        size = len(payload)
-        if size > self.max_send:
-            call.code, call.details = (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"Sent message larger than max ({size} vs. {self.max_send})")
-            raise grpc.aio.AbortError()
-        if call.done or self.send_now(call, payload):
-            return
-        conn, sid = self.h2, call.stream_id
-        data = PREFIX.pack(0, size) + payload
-        if not call.headers_sent:
-            call.headers_sent = True
-            conn.send_headers(sid, _RESPONSE_HEADERS)
-        offset, end = 0, len(data)
-        while offset < end:
-            if self.paused:
-                await self._drained()
-            if call.closed:  # reset while it waited
-                return
+    def acknowledge(self, call: H2Call) -> None:
+        """A streaming handler caught up: hand the bytes it held back to the client."""
+        size, call.unacked = call.unacked, 0
+        if size and not call.done:
             try:
-                window = conn.local_flow_control_window(sid)
+                self.h2.acknowledge_received_data(size, call.stream_id)
             except h2.exceptions.ProtocolError:
                 return
-            if window <= 0:
-                self._flush()
-                call.window_waiter = self.loop.create_future()
-                try:
-                    await call.window_waiter
-                finally:
-                    call.window_waiter = None
-                continue
-            chunk = min(window, conn.max_outbound_frame_size, end - offset)
-            conn.send_data(sid, data[offset:offset + chunk])
-            offset += chunk
-            self._flush()
-        self.last_ping, self.strikes = None, 0
+            self.flush()
 
-    def _finish(self, call: H2Call, code: grpc.StatusCode, details: str) -> None:
-        """Ends the call with its status: trailers, or a trailers-only response when nothing was sent yet."""
-        if call.done:
-            return
-        call.done = True
-        conn, sid = self.h2, call.stream_id
-        status = status_headers(code, details)
-        try:
-            conn.send_headers(sid, status if call.headers_sent else _RESPONSE_HEADERS + status, end_stream=True)
-            if not call.request_ended:  # the client is still sending: tell it to stop (RFC 9113 8.1)
-                conn.reset_stream(sid, ErrorCodes.NO_ERROR)
-        except h2.exceptions.ProtocolError:
-            pass
-        self._flush()
+    def forget(self, call: H2Call) -> None:
+        """The call is over: the connection no longer tracks it (and closes once its last call ends, if draining)."""
+        if self.calls.get(call.stream_id) is call:
+            del self.calls[call.stream_id]
+        if self.state is DRAINING and not self.calls:
+            self.close()
 
     def _fail(self, call: H2Call, code: grpc.StatusCode, details: str) -> None:
         """A transport fault of the call (oversized or undecodable message): its status now, its handler cancelled."""
-        self._finish(call, code, details)
+        self.responder.finish(call, code, details)
         if self.calls.get(call.stream_id) is call:
             del self.calls[call.stream_id]
         if call.task is not None:
@@ -609,19 +487,15 @@ class GrpcH2Connection(asyncio.Protocol):
             call.reset = call.done = True
             call.stop()
 
-    # ---- flow control ---------------------------------------------------------------------------------
+    # ---- writing --------------------------------------------------------------------------------------
 
-    def _wake_writers(self, sid: int) -> None:
-        if sid:
-            call = self.calls.get(sid)
-            waiters = [call.window_waiter] if call is not None else []
-        else:
-            waiters = [call.window_waiter for call in self.calls.values()]
-        for waiter in waiters:
+    def _wake_writers(self) -> None:
+        for call in list(self.calls.values()):
+            waiter = call.window_waiter
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
-    async def _drained(self) -> None:
+    async def drained(self) -> None:
         if self.drain_waiter is None:
             self.drain_waiter = self.loop.create_future()
         await asyncio.shield(self.drain_waiter)
@@ -631,12 +505,12 @@ class GrpcH2Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         data = self.h2.data_to_send()
         if data:
-            self._send(data)
+            self.send(data)
 
-    def _send(self, data: bytes) -> None:
+    def send(self, data: bytes) -> None:
         """Queues bytes for the socket: what the calls of one loop iteration send goes out in one write (a send
         system call per response was the largest single cost of a streamed inference)."""
         if self.out:
@@ -655,83 +529,41 @@ class GrpcH2Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Closes the connection once what is queued is written."""
+        self.state = CLOSED
         self._write_out()
         if self.transport is not None:
             self.transport.close()
 
-    # ---- keepalive and pings --------------------------------------------------------------------------
-
-    def _schedule_keepalive(self) -> None:
-        period = self.options.keepalive_time_ms
-        if 0 < period < 2**31 - 1:
-            self.timer = self.loop.call_later(period / 1000, self._keepalive)
-
-    def _keepalive(self) -> None:
-        if not (self.calls or self.options.keepalive_permit_without_calls) or self.transport is None:
-            self._schedule_keepalive()
-            return
-        self.h2.ping(_KEEPALIVE_PING)
-        self._flush()
-        self.awaiting_ack = True
-        self.timer = self.loop.call_later(self.options.keepalive_timeout_ms / 1000, self._keepalive_expired)
-
-    def _keepalive_expired(self) -> None:
-        logger.info("grpc: closing the connection from %s: its keepalive ping went unanswered", self.peer)
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _on_ping_ack(self) -> None:
-        if self.awaiting_ack:
-            self.awaiting_ack = False
-            if self.timer is not None:
-                self.timer.cancel()
-            self._schedule_keepalive()
-
-    def _on_ping(self) -> None:
-        """grpc core's policy: a client ping sooner than allowed after the previous one, with no response sent
-        between them, is a strike; past the strikes allowed the connection ends with GOAWAY too_many_pings."""
-        now = self.loop.time()
-        options = self.options
-        allowed = (options.http2_min_recv_ping_interval_without_data_ms / 1000
-                   if self.calls or options.keepalive_permit_without_calls else IDLE_PING_INTERVAL_S)
-        last, self.last_ping = self.last_ping, now
-        if last is None or now - last >= allowed:
-            return
-        self.strikes += 1
-        if options.http2_max_ping_strikes and self.strikes > options.http2_max_ping_strikes:
-            logger.info("grpc: closing the connection from %s: too many pings", self.peer)
-            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too_many_pings")
-            self._end()
-
     # ---- stopping -------------------------------------------------------------------------------------
 
     def _end(self) -> None:
-        """Closes the connection after the GOAWAY h2 queued: the write side first, so that the client reads the
-        GOAWAY (closing a socket with unread input resets it, and the reset can overtake the GOAWAY), the socket
+        """Closes the connection after the GOAWAY h2 queued (ENDING): the write side first, so that the client reads
+        the GOAWAY (closing a socket with unread input resets it, and the reset can overtake the GOAWAY), the socket
         within a second."""
         transport = self.transport
         assert transport is not None
-        self._flush()
+        self.flush()
         self._write_out()
         self._cancel_calls()
-        self.ending = True
-        if self.timer is not None:
-            self.timer.cancel()
+        self.state = ENDING
+        self.keepalive.stop()
+        if self._closer is not None:
+            self._closer.cancel()
         if transport.can_write_eof():
             transport.write_eof()
-        self.timer = self.loop.call_later(1.0, transport.close)
+        self._closer = self.loop.call_later(1.0, transport.close)
 
     def go_away(self) -> None:
-        """The graceful stop's GOAWAY: calls under way go on, new ones are refused. Written past h2, whose own
-        GOAWAY would close its state machine to the responses still to come."""
-        if self.closing or self.transport is None:
+        """The graceful stop's GOAWAY (DRAINING): calls under way go on, new ones are refused. Written past h2, whose
+        own GOAWAY would close its state machine to the responses still to come."""
+        if self.state is not OPEN or self.transport is None:
             return
-        self.closing = True
+        self.state = DRAINING
         frame = GoAwayFrame(0)
         frame.last_stream_id = self.h2.highest_inbound_stream_id
         frame.error_code = ErrorCodes.NO_ERROR
-        self._flush()
-        self._send(frame.serialize())
+        self.flush()
+        self.send(frame.serialize())
         if not self.calls:
             self.close()
 
@@ -742,9 +574,24 @@ class GrpcH2Connection(asyncio.Protocol):
                 call.task.cancel()
             else:
                 call.stop()
-                self._finish(call, *_STATUS_SERVER_STOPPING)
+                self.responder.finish(call, *STATUS_SERVER_STOPPING)
                 self.calls.pop(call.stream_id, None)
 
     @property
     def tasks(self) -> list[asyncio.Task[None]]:
         return [call.task for call in self.calls.values() if call.task is not None]
+
+
+# h2's events a connection acts on, each to its handler (the others, settings acknowledged and the like, only
+# advance h2's state machine).
+_ON_EVENT: dict[type[h2.events.Event], Callable[[GrpcH2Connection, Any], None]] = {
+    h2.events.DataReceived: GrpcH2Connection._on_data,
+    h2.events.RequestReceived: GrpcH2Connection._on_request,
+    h2.events.StreamEnded: GrpcH2Connection._on_end,
+    h2.events.WindowUpdated: GrpcH2Connection._on_window,
+    h2.events.StreamReset: GrpcH2Connection._on_reset,
+    h2.events.PingReceived: GrpcH2Connection._on_ping,
+    h2.events.PingAckReceived: GrpcH2Connection._on_ping_ack,
+    h2.events.RemoteSettingsChanged: GrpcH2Connection._on_settings,
+    h2.events.ConnectionTerminated: GrpcH2Connection._on_goaway,
+}

@@ -25,6 +25,14 @@ _WBITS = {b"gzip": 31, b"deflate": 15}  # grpc's deflate is zlib's format, gzip 
 _INBOX_LIMIT = 16  # streamed requests waiting for the handler before their bytes go unacknowledged (backpressure)
 
 
+class Sender(Protocol):
+    """What a call asks of its connection's writer (h2_responder.Responder)."""
+
+    async def send_message(self, call: H2Call, payload: bytes) -> None: ...
+
+    def send_now(self, call: H2Call, payload: bytes) -> bool: ...
+
+
 class Connection(Protocol):
     """What a call asks of its connection (h2_connection.GrpcH2Connection)."""
 
@@ -33,13 +41,12 @@ class Connection(Protocol):
     loop: asyncio.AbstractEventLoop
 
     @property
+    def responder(self) -> Sender: ...
+
+    @property
     def transport(self) -> asyncio.BaseTransport | None: ...  # over TLS, its ssl_object holds the client certificate
 
     def acknowledge(self, call: H2Call) -> None: ...
-
-    async def send_message(self, call: H2Call, payload: bytes) -> None: ...
-
-    def send_now(self, call: H2Call, payload: bytes) -> bool: ...
 
 
 class CallError(Exception):
@@ -136,25 +143,30 @@ class H2Call:
         """Streamed requests: hand them to the handler's `on_message` while nothing waits ahead of them, queue the
         rest for the handler's iterator and wake it."""
         assert self.inbox is not None
-        hook = self.on_message
-        if hook is not None and messages and not self.inbox:
-            parse: Callable[[bytes], Any] = self.method.request_deserializer or _identity
-            taken = 0
-            for message in messages:
-                if self.done:
-                    break
-                parsed = parse(message)
-                taken += 1
-                if not hook(parsed):  # left to the iterator, parsed once; the ones after it wait behind it
-                    self.inbox.append(_Parsed(parsed))
-                    break
-            messages = messages[taken:]
+        if self.on_message is not None and messages and not self.inbox:
+            messages = self._offer(messages, self.on_message, self.inbox)
         self.inbox.extend(messages)
         self.request_ended = self.request_ended or ended
         waiter = self.inbox_waiter
         # Woken only for something to read: messages the hook took would wake the iterator for nothing, every time.
         if waiter is not None and not waiter.done() and (self.inbox or self.request_ended):
             waiter.set_result(None)
+
+    def _offer(self, messages: list[bytes], hook: Callable[[Any], bool],
+               inbox: collections.deque[bytes | _Parsed]) -> list[bytes]:
+        """Messages handed to `hook` in order until it declines one (kept in the inbox, parsed) or the call ends;
+        returns those it did not see, which wait behind the declined one."""
+        parse: Callable[[bytes], Any] = self.method.request_deserializer or _identity
+        taken = 0
+        for message in messages:
+            if self.done:
+                break
+            parsed = parse(message)
+            taken += 1
+            if not hook(parsed):  # left to the iterator, parsed once; the ones after it wait behind it
+                inbox.append(_Parsed(parsed))
+                break
+        return messages[taken:]
 
     async def requests(self) -> AsyncIterator[Any]:
         """The request iterator a request-streaming handler reads."""
@@ -233,7 +245,7 @@ class H2Call:
     async def write(self, message: Any) -> None:
         """One response of a response-streaming call, sent as soon as the peer's window allows."""
         serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
-        await self.connection.send_message(self, serialize(message))
+        await self.connection.responder.send_message(self, serialize(message))
 
     def answer_messages_now(self, hook: Callable[[Any], bool] | None) -> None:
         """From now on, each request message that arrives while none waits to be read goes to `hook` first, parsed,
@@ -246,7 +258,7 @@ class H2Call:
         """`write` without waiting, where the peer's windows let the message go out at once; False: nothing sent.
         Only for a writer with nothing else under way on the call (its messages keep their order)."""
         serialize: Callable[[Any], bytes] = self.method.response_serializer or _identity
-        return self.connection.send_now(self, serialize(message))
+        return self.connection.responder.send_now(self, serialize(message))
 
 
 class _Parsed:

@@ -28,7 +28,8 @@ from typing import Any
 import grpc
 
 from geserve.frontends.grpc import server as aio_server
-from geserve.frontends.grpc.h2_connection import Begin, GrpcH2Connection, Method
+from geserve.frontends.grpc.h2_connection import GrpcH2Connection, Method
+from geserve.frontends.grpc.h2_responder import Begin
 from geserve.frontends.grpc.health import HealthService
 from geserve.frontends.grpc.server import (
     GrpcInferenceServicer,
@@ -61,7 +62,7 @@ class MethodTable:
     kept: a client could make up any number of them)."""
 
     def __init__(self, handlers: tuple[grpc.GenericRpcHandler, ...], now: dict[str, Begin] | None = None) -> None:
-        """`now`: for some unary methods, a handler that starts a call without a task (h2_connection.Begin)."""
+        """`now`: for some unary methods, a handler that starts a call without a task (h2_responder.Begin)."""
         self._handlers = handlers
         self._known: dict[bytes, Method] = {}
         self._now = {path.encode("ascii"): handler for path, handler in (now or {}).items()}
@@ -192,14 +193,17 @@ class NativeGrpcServer(TlsEndpoint):
         self._servers.clear()
         for connection in list(self._connections):
             connection.go_away()
-        tasks = [task for connection in self._connections for task in connection.tasks]
-        if tasks and grace:
-            await asyncio.wait(tasks, timeout=grace)
+        if grace:
+            await self._calls_end(grace)
         for connection in list(self._connections):
             connection.abort_calls()
-        tasks = [task for connection in self._connections for task in connection.tasks]
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
+        await self._calls_end(1.0)
         for connection in list(self._connections):
             connection.close()
         self._connections.clear()
+
+    async def _calls_end(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for the tasks of the calls under way to end."""
+        tasks = [task for connection in self._connections for task in connection.tasks]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
