@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from geserve.frontends.grpc.server import GrpcOptions
 
-if TYPE_CHECKING:
-    from geserve.frontends.grpc.h2_connection import GrpcH2Connection
+
+class KeptAlive(Protocol):
+    """What the keepalive asks of its connection (h2_connection.GrpcH2Connection): a Protocol, so this module does
+    not import the connection that imports it."""
+
+    h2: Any
+    calls: dict[int, Any]
+    peer: str
+    transport: asyncio.Transport | None
+
+    def flush(self) -> None: ...
 
 logger = logging.getLogger("geserve.frontends.grpc.h2_connection")  # the connection's log, as before the split
 
@@ -27,7 +36,7 @@ class Keepalive:
 
     __slots__ = ("_awaiting_ack", "_connection", "_loop", "_options", "_strikes", "_timer", "last_ping")
 
-    def __init__(self, connection: GrpcH2Connection, options: GrpcOptions, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, connection: KeptAlive, options: GrpcOptions, loop: asyncio.AbstractEventLoop) -> None:
         self._connection = connection
         self._options = options
         self._loop = loop

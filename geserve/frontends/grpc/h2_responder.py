@@ -8,16 +8,33 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import Any, Protocol, TypeAlias, cast
 
 import grpc
 import h2.exceptions
 from h2.errors import ErrorCodes
 
 from geserve.frontends.grpc.h2_context import PREFIX, H2Call
+from geserve.frontends.grpc.h2_keepalive import Keepalive
 
-if TYPE_CHECKING:
-    from geserve.frontends.grpc.h2_connection import GrpcH2Connection
+
+class Answered(Protocol):
+    """What the responder asks of its connection (h2_connection.GrpcH2Connection): a Protocol, so this module does
+    not import the connection that imports it."""
+
+    h2: Any
+    keepalive: Keepalive
+    loop: asyncio.AbstractEventLoop
+    paused: bool
+
+    def forget(self, call: H2Call) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def send(self, data: bytes) -> None: ...
+
+    async def drained(self) -> None: ...
+
 
 logger = logging.getLogger("geserve.frontends.grpc.h2_connection")  # the connection's log, as before the split
 
@@ -64,7 +81,7 @@ class Responder:
 
     __slots__ = ("_connection", "_h2", "_keepalive", "_loop", "max_send")
 
-    def __init__(self, connection: GrpcH2Connection, max_send: int) -> None:
+    def __init__(self, connection: Answered, max_send: int) -> None:
         self._connection = connection
         self._h2 = connection.h2
         self._keepalive = connection.keepalive
