@@ -65,7 +65,6 @@ logger = logging.getLogger(__name__)
 SERVER_NAME = "geserve"
 SHUTTING_DOWN = "Server is shutting down: it accepts no new requests"
 _IN_PROCESS = Transport.IN_PROCESS
-_HTTP_CONTEXT = CallContext(Transport.HTTP)  # what `_prepare` reads of an HTTP call: only its transport
 _INFERENCE = ApiGroup.INFERENCE
 # What a server that is shutting down still answers from outside: health, metadata, settings, statistics. New work
 # (inference, model loads) is refused; calls from models (BLS, ensemble steps) belong to requests in flight.
@@ -290,7 +289,7 @@ class InferenceService:
         what fails before the model runs (admission, an unknown model, a bad request, a passed deadline).
 
         The steps, in order: admit, resolve the model, prepare (skipped for a request its frontend made from a
-        remembered header of this very model: `prepared_for`), check the deadline, run, account, place outputs.
+        remembered header of this very model: `request.prepared`), check the deadline, run, account, place outputs.
         How it runs is the run step's choice (`_shortcut`, then a task); no frontend chooses it."""
         model, started = self._checked(request, context, action)
         outcome = self._shortcut(model, request, context.deadline, started, answer)
@@ -399,7 +398,7 @@ class InferenceService:
             result = _CANCELLED
         try:
             if isinstance(result, BaseException):
-                error = result if isinstance(result, Exception) else InternalError(f"execution failed: {result!r}")
+                error = _as_error(result)
                 _account(model, started, error)
                 outcome: InferenceResponse | Exception = error
             else:
@@ -424,7 +423,7 @@ class InferenceService:
             except Exception as exc:
                 outcome = exc
         else:
-            outcome = error if isinstance(error, Exception) else InternalError(f"execution failed: {error!r}")
+            outcome = _as_error(error)
         _deliver(answer, outcome, model.name)
 
     async def _traced(
@@ -857,6 +856,11 @@ def _account(model: LoadedModel, started: int, error: BaseException | None = Non
         model.statistics.record_success(elapsed)
     else:
         model.statistics.record_failure(elapsed, error)
+
+
+def _as_error(error: BaseException) -> Exception:
+    """What a run that raised answers: its exception, or for a BaseException (not a client's fault) an internal one."""
+    return error if isinstance(error, Exception) else InternalError(f"execution failed: {error!r}")
 
 
 def _settle(future: asyncio.Future[InferenceResponse], outcome: InferenceResponse | Exception) -> None:

@@ -409,33 +409,36 @@ class HttpFrontend:
     async def _received(
         self, name: str, version: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> tuple[InferenceRequest, bytes]:
-        if isinstance(source, bytes):
-            return self._received_now(name, version, source, headers, context)
-        # Admitted before the body is read and decoded: a caller who may not infer costs no decoding. The service
-        # does not admit the call again; the faults of the body still come after the model's lookup.
-        self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
-        traced = self._service.tracer is not None  # the receive times of a request the service may trace
-        receive_start = time.monotonic_ns() if traced else 0
-        body = b""
-        try:
-            body = await self._read_body(source, headers)
-            if traced:
-                context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
-            return self._decode(name, version, body, headers), body
-        except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body
-            return InferenceRequest(name, version, [], fault=exc), body
+        """`_received_now`, the body received first where ASGI hands it in messages (admitted before it is read)."""
+        receive_start = self._admitted(name, context)
+        if not isinstance(source, bytes):
+            try:
+                source = await _receive_body(source, headers, self._max_input_size)
+            except GeserveError as exc:  # reported once the model is known: an unknown model is 404 whatever the body
+                return InferenceRequest(name, version, [], fault=exc), b""
+        return self._request(name, version, source, headers, context, receive_start)
 
     def _received_now(
         self, name: str, version: str, body: bytes, headers: dict[bytes, bytes], context: CallContext
     ) -> tuple[InferenceRequest, bytes]:
-        """An inference request from a body read whole (the native server's), admitted before it is decoded, with its
-        decoding fault if any (reported once the model is known: an unknown model is 404 whatever the body)."""
+        """An inference request from a body read whole (the native server's), admitted before it is decoded."""
+        return self._request(name, version, body, headers, context, self._admitted(name, context))
+
+    def _admitted(self, name: str, context: CallContext) -> int:
+        """Admit the call before its body is read and decoded: a caller who may not infer costs no decoding, and the
+        service does not admit it again. When the service may trace it, when its receiving started (else 0)."""
         self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
-        traced = self._service.tracer is not None
-        receive_start = time.monotonic_ns() if traced else 0
+        return time.monotonic_ns() if self._service.tracer is not None else 0
+
+    def _request(
+        self, name: str, version: str, body: bytes, headers: dict[bytes, bytes], context: CallContext,
+        receive_start: int,
+    ) -> tuple[InferenceRequest, bytes]:
+        """The request a whole body makes (its content codings undone), or its decoding fault, reported once the model
+        is known (an unknown model is 404 whatever the body)."""
         try:
             body = self._whole_body(body, headers)
-            if traced:
+            if receive_start:
                 context.trace_marks = [("HTTP_RECV_START", receive_start), ("HTTP_RECV_END", time.monotonic_ns())]
             return self._decode(name, version, body, headers), body
         except GeserveError as exc:
