@@ -68,6 +68,10 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--inference-shortcuts", type=_bool, default=True, metavar="on|off",
         help="the request path's shortcuts (answer on the loop, queue with a callback, remembered headers, replayed "
              "HTTP heads); off: every inference in a task, the same answers, slower (for comparison)")
+    add("--overload-control", type=_bool, default=False, metavar="on|off",
+        help="admission control for every model (its `overload_control` parameter overrides): refuse at arrival, with "
+             "503 + Retry-After / UNAVAILABLE, what cannot be answered before its deadline or exceeds the adaptive "
+             "concurrency limit, lowest priority first")
     add("--inline-execution-us", type=int, default=250,
         help="run executions typically taking less CPU time than this on the event loop (0: always on instance "
              "threads)")

@@ -68,13 +68,21 @@ class CancelledError(GeserveError):
 
 
 class DeadlineExceededError(GeserveError):
-    """The call's deadline passed before its answer. Counted as CANCELED (what the caller's gRPC library does with a
-    call whose deadline passed: it gives up on it), until overload control gives deadlines their own reason."""
+    """The request's deadline passed before its answer (service/deadlines.py): Triton's words for a timed-out request,
+    gRPC's DEADLINE_EXCEEDED, HTTP as Triton answers a timed-out request (503), and its own failure reason."""
 
     code = ErrorCode.DEADLINE_EXCEEDED
 
-    def __init__(self, message: str = "Deadline Exceeded") -> None:
-        super().__init__(message, "CANCELED")
+    def __init__(self, message: str = "Request timeout expired") -> None:
+        super().__init__(message, "DEADLINE_EXCEEDED")
+
+
+class OverloadedError(UnavailableError):
+    """Refused by admission control (service/overload.py) before it queued: the model cannot answer it in time.
+    HTTP 503 with `Retry-After`, gRPC UNAVAILABLE (the code gRPC clients retry with backoff), counted REJECTED."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, "REJECTED", headers=(("Retry-After", str(retry_after_s)),))
 
 
 class UnauthenticatedError(GeserveError):

@@ -78,6 +78,7 @@ class Server:
                 settings.inline_execution_us,
                 _latency_observer_factory(settings, metrics_config),
                 response_cache=self.response_cache is not None,
+                overload_control=settings.overload_control,
             ),
         )
         self.poller = _poller(settings, self.store, self.manager, link)

@@ -72,6 +72,10 @@ class ServerSettings:
     """The request path's shortcuts (InferenceService.submit): a request run at once on the loop or queued with a
     callback instead of in a task, a remembered header's prepare step, HTTP's replayed request heads. Off: every
     inference takes every step, in a task; the answers are the same (tests compare them), only slower."""
+    overload_control: bool = False
+    """Admission control for every model (a model's `overload_control` parameter overrides it): an adaptive
+    concurrency limit, priorities shed lowest first, and requests that cannot be answered before their deadline
+    refused at arrival (HTTP 503 + Retry-After, gRPC UNAVAILABLE) instead of queued (scheduling/admission.py)."""
     inline_execution_us: int = 250
     """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
     never)."""

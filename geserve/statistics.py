@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -11,8 +13,11 @@ from typing import Any, Protocol
 
 from geserve.errors import ErrorCode, GeserveError
 
-# Triton's `reason` label of nv_inference_request_failure.
-FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+# Bounds of the queue-time histogram (seconds): from what a dynamic batcher's delay adds to what no caller waits for.
+QUEUE_BOUNDS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+QUEUE_BOUNDS_NS = tuple(int(bound * 1e9) for bound in QUEUE_BOUNDS_S)
+# Triton's `reason` label of nv_inference_request_failure, and geserve's own for a request whose deadline passed.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER", "DEADLINE_EXCEEDED")
 _REASON_BY_CODE = {
     ErrorCode.UNAVAILABLE: "REJECTED",  # a full queue, a queue timeout, a model that is unloading
     ErrorCode.CANCELLED: "CANCELED",
@@ -85,6 +90,8 @@ class ModelStatistics:
         self.last_inference_ms = 0
         self.batches: dict[int, BatchStats] = {}
         self.fail_by_reason: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
+        self.busy_ns = 0  # the executions' own time, each counted once (not per request): admission's service time
+        self.queue_buckets = [0] * (len(QUEUE_BOUNDS_S) + 1)  # ge_inference_queue_duration_seconds, not cumulative
         self.latency_observer = latency_observer
 
     def record_success(self, duration_ns: int) -> None:
@@ -143,8 +150,11 @@ class ModelStatistics:
         with self._lock:
             self.execution_count += 1
             self.inference_count += batch_rows
+            buckets = self.queue_buckets
             for ns in queue_ns:
                 self.queue.add(ns)
+                buckets[bisect.bisect_left(QUEUE_BOUNDS_NS, ns)] += 1
+            self.busy_ns += input_ns + infer_ns + output_ns
             self.compute_input.add(input_ns * request_count, request_count)
             self.compute_infer.add(infer_ns * request_count, request_count)
             self.compute_output.add(output_ns * request_count, request_count)
@@ -158,6 +168,17 @@ class ModelStatistics:
         observer = self.latency_observer
         if observer is not None:
             observer.execution(request_count, queue_ns, input_ns, infer_ns, output_ns)
+
+    def execution_totals(self) -> tuple[int, int]:
+        """Inferences made and the time their executions took, so far."""
+        with self._lock:
+            return self.inference_count, self.busy_ns
+
+    def queue_histogram(self) -> tuple[list[int], float]:
+        """The queue-time histogram: cumulative counts per bound of QUEUE_BOUNDS_S (and +Inf), and the sum (s)."""
+        with self._lock:
+            counts, total_ns = list(self.queue_buckets), self.queue.ns
+        return list(itertools.accumulate(counts)), total_ns / 1e9
 
     def failures_by_reason(self) -> dict[str, int]:
         with self._lock:

@@ -20,7 +20,7 @@ from geserve.metrics.exposition import format_value
 from geserve.metrics.latency import SUMMARY_FAMILIES, LatencyRecorder
 from geserve.metrics.system import CpuSampler, cpu_families
 from geserve.repository.model import LoadedModel, ModelState
-from geserve.statistics import FAILURE_REASONS
+from geserve.statistics import FAILURE_REASONS, QUEUE_BOUNDS_S
 
 if TYPE_CHECKING:  # the lifecycle imports the backends, whose Python backend imports geserve.metrics
     from geserve.repository.lifecycle import ModelManager
@@ -76,7 +76,8 @@ SERVER_FAMILY_NAMES = frozenset({
     "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_pending_request_count",
     "nv_model_load_duration_secs", "nv_inference_first_response_histogram_ms", "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes", "ge_batch_size", "ge_model_instances", "ge_model_state",
-    "ge_inference_path_total",
+    "ge_inference_path_total", "ge_inference_queue_duration_seconds", "ge_overload_concurrency_limit",
+    "ge_overload_shed_total",
     *(name for name, _, _ in _COUNTS), *(name for name, _, _ in _DURATIONS), *(name for name, _ in _SUMMARIES.values()),
     *(name for _, name, _ in _OPTIONAL_COUNTERS), *(name for name, _, _, _ in _CACHE_COUNTERS),
 })
@@ -123,6 +124,8 @@ class InferenceCollector:
         if self._config.histogram_latencies:
             yield from self._first_response(live)
         yield from self._batch_sizes(stats)
+        yield from self._queue_times(models)
+        yield from self._admission(models)
         yield from self._geserve_gauges(models)
         yield from self._optional_counters(models)
 
@@ -206,6 +209,28 @@ class InferenceCollector:
             total = sum(size * n for size, n in per_size)
             _add_histogram(family, model, [float(b) for b in bounds], cumulative, total)
         yield family
+
+    def _queue_times(self, models: list[LoadedModel]) -> Iterator[Metric]:
+        family = _family("ge_inference_queue_duration_seconds",
+                         "Time requests waited in their model's queue before an execution took them", "histogram")
+        for model in models:
+            cumulative, total = model.statistics.queue_histogram()
+            _add_histogram(family, model, list(QUEUE_BOUNDS_S), cumulative, total)
+        yield family
+
+    def _admission(self, models: list[LoadedModel]) -> Iterator[Metric]:
+        """Admission control's state, for the models it controls (--overload-control, `overload_control`)."""
+        limit = _family("ge_overload_concurrency_limit", "Adaptive concurrency limit of each model version", "gauge")
+        shed = _family("ge_overload_shed_total", "Requests refused by admission control, by reason", "counter")
+        for model in models:
+            admission = model.admission
+            if admission is None:
+                continue
+            limit.add_sample(limit.name, _labels(model), int(admission.limit))
+            for reason, count in admission.shed.items():
+                shed.add_sample(shed.name, _labels(model, reason=reason), count)
+        yield limit
+        yield shed
 
     def _geserve_gauges(self, models: list[LoadedModel]) -> Iterator[Metric]:
         instances = _family("ge_model_instances", "Execution instances of each model version", "gauge")

@@ -21,6 +21,8 @@ from geserve.errors import GeserveError, InvalidArgumentError, NotFoundError, Un
 from geserve.repository.model import LoadedModel, tensor_specs
 from geserve.repository.store import available_versions, select_versions
 from geserve.repository.warmup import warm_up
+from geserve.scheduling import admission
+from geserve.scheduling.admission import Admission, AdmissionSettings
 from geserve.scheduling.base import create_scheduler
 from geserve.scheduling.ensemble_plan import EnsemblePlan
 from geserve.scheduling.pool import InstancePool
@@ -41,6 +43,8 @@ class LifecycleOptions:
     latency_observer_factory: Callable[[], LatencyObserver] | None = None
     # A server response cache exists (--cache-config): models that enable `response_cache` use it.
     response_cache: bool = False
+    # --overload-control: models admission-controlled unless their `overload_control` parameter says otherwise.
+    overload_control: bool = False
 
     def new_statistics(self) -> ModelStatistics:
         factory = self.latency_observer_factory
@@ -149,6 +153,8 @@ class ModelBuilder:
             readiness=readiness,
             model_dir=prepared.model_dir,
             response_cache=_response_cache_generation(config, self._options.response_cache),
+            admission=(Admission(config.name, AdmissionSettings.from_config(config), statistics)
+                       if admission.wanted(config, self._options.overload_control) else None),
         )
 
 

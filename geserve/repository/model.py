@@ -11,6 +11,7 @@ import numpy as np
 from tritonclient.grpc.model_config_pb2 import ModelInput, ModelOutput
 
 from geserve.config import ModelConfig
+from geserve.scheduling.admission import Admission
 from geserve.scheduling.base import Scheduler
 from geserve.statistics import ModelStatistics
 from geserve.types.datatypes import BY_CONFIG
@@ -54,6 +55,9 @@ class LoadedModel:
     # model without it costs the infer path one attribute test: 0 when not cached, else a number no other load gets,
     # part of the cache key: a reloaded model never answers with the answers of the one it replaced.
     response_cache: int = 0
+    # Admission control (scheduling/admission.py) when overload control is on for this model, else None: all a
+    # request then pays is this attribute test.
+    admission: Admission | None = None
 
     @property
     def max_batch_size(self) -> int:

@@ -26,12 +26,13 @@ import numpy as np
 
 from geserve.arrivals import ARRIVALS
 from geserve.config import ModelConfig
-from geserve.errors import CancelledError, InvalidArgumentError, UnavailableError
+from geserve.errors import CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.pool import InstancePool, Worker, execution_failed
 from geserve.scheduling.queue import Callback, Outcome, Pending, PriorityQueue, QueuePolicy, ShapeKey
 from geserve.scheduling.scheduler import AnswersLater, SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
+from geserve.types.requests import deadline_passed
 
 logger = logging.getLogger(__name__)
 _CANCELLED = "the request was cancelled while it was queued"
@@ -159,7 +160,9 @@ class DynamicBatcher(AnswersLater):
         self._queue = PriorityQueue(settings.priority_levels, settings.default_priority_level, settings.policies)
         # Where a request with no priority and no timeout of its own goes (most requests): worked out once.
         self._default_level = self._queue.level_of(0)
-        self._default_timeout_us = self._queue.policy(self._default_level).timeout_us(0)
+        default_policy = self._queue.policy(self._default_level)
+        self._default_timeout_us = default_policy.timeout_us(0)
+        self._default_deadline_us = 0 if default_policy.delay_on_timeout else self._default_timeout_us
         loop = self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._arrived = _Wakeup(loop)
         # While the batcher waits out a batch's delay with `_wake_rows` rows still missing to its limit: the rows that
@@ -222,6 +225,15 @@ class DynamicBatcher(AnswersLater):
             return False
         self._cancel(pending)
         return True
+
+    def queue_timeout_us(self, request: InferenceRequest) -> int:
+        """The queue policy's timeout of `request` when it refuses (REJECT), which makes it the request's deadline
+        (service/deadlines.py); a DELAY policy's only moves it back in this queue. Triton's rule: a request may
+        shorten its level's default timeout when the policy allows it, never lengthen it."""
+        if not (request.priority or request.timeout_us):
+            return self._default_deadline_us
+        policy = self._queue.policy(self._queue.level_of(request.priority))
+        return 0 if policy.delay_on_timeout else policy.timeout_us(request.timeout_us)
 
     def _pending(self, request: InferenceRequest, outcome: Outcome) -> tuple[Pending, int]:
         """The queue entry for `request` and its priority level; raises for a request this batcher cannot take."""
@@ -332,7 +344,7 @@ class DynamicBatcher(AnswersLater):
             now = time.monotonic_ns()
             rejected, next_timeout = self._queue.expire(now)
             for pending in rejected:
-                self._complete(pending, UnavailableError("Request timeout expired"))
+                self._complete(pending, DeadlineExceededError())
             if not self._queue.size:
                 return []
             limit, delay_ns = self._limits()
@@ -403,9 +415,9 @@ class DynamicBatcher(AnswersLater):
     # ---- execution -----------------------------------------------------------------------------
 
     async def _dispatch(self, worker: Worker, batch: list[Pending]) -> None:
-        live = [p for p in batch if not p.future.cancelled()]
-        if len(live) < len(batch):  # cancelled between being taken and this task's start: they never run
-            self._answer_cancelled(batch)
+        live = [p for p in batch if not p.future.cancelled() and not deadline_passed(p.request)]
+        if len(live) < len(batch):  # cancelled or past their deadline since they were taken: they never run
+            self._answer_dead(batch)
             if not live:
                 self._pool.release(worker)
                 return
@@ -423,10 +435,12 @@ class DynamicBatcher(AnswersLater):
         if self._adaptive is not None:
             self._observe(self._adaptive, batch)
 
-    def _answer_cancelled(self, batch: list[Pending]) -> None:
+    def _answer_dead(self, batch: list[Pending]) -> None:
         for pending in batch:
             if pending.future.cancelled():
                 self._complete(pending, CancelledError(_CANCELLED))
+            elif deadline_passed(pending.request):
+                self._complete(pending, DeadlineExceededError())
 
     def _requests(self, batch: list[Pending]) -> tuple[list[InferenceRequest], list[int], int]:
         """What the pool runs: the batch's requests (padded up to the next gear where it needs some), when each was

@@ -293,7 +293,7 @@ class _Execution:
         request, outputs = self._request, [RequestedOutput(name) for name in self._route.step_outputs[index]]
         self._ready.append(_Call(run, step, InferenceRequest(
             step.model, step.version, inputs, outputs, id=request.id, parameters=request.parameters,
-            priority=request.priority, timeout_us=request.timeout_us, compute=self.compute,
+            priority=request.priority, timeout_us=request.timeout_us, deadline=request.deadline, compute=self.compute,
             identity=request.identity,  # the caller of the ensemble is the caller of its steps (Python models read it)
             trace=None if request.trace is None else request.trace.child(),  # a step of a traced ensemble is traced
         )))

@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 
 from geserve.arrivals import ARRIVALS
 from geserve.backends.base import Execution, ModelInstance, Results
-from geserve.errors import GeserveError, InternalError, UnavailableError
+from geserve.errors import DeadlineExceededError, GeserveError, InternalError, UnavailableError
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
+from geserve.types.requests import deadline_passed
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +241,13 @@ class InstancePool:
         return execution.results
 
     async def execute(self, requests: list[InferenceRequest], enqueued_ns: list[int]) -> Results:
-        return await self.run(await self.acquire(), requests, enqueued_ns)
+        """Run `requests` on the first free instance; a lone request whose deadline passed while it waited for one
+        never starts."""
+        worker = await self.acquire()
+        if len(requests) == 1 and deadline_passed(requests[0]):
+            self.release(worker)
+            return [DeadlineExceededError()]
+        return await self.run(worker, requests, enqueued_ns)
 
     @property
     def checks_readiness(self) -> bool:

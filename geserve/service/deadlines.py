@@ -1,9 +1,11 @@
-"""A call's deadline, acted on in one place for every path of every protocol: refused before it starts once passed,
-and answered DEADLINE_EXCEEDED at that moment while it waits (a timer, not the next dispatch).
+"""A request's deadline, worked out and acted on in one place for every path of every protocol: refused before it
+starts once passed, and answered DEADLINE_EXCEEDED at that moment while it waits (a timer, not the next dispatch).
 
-The deadline is the call context's (`CallContext.deadline`, on `time.monotonic()`'s clock), which both gRPC
-transports fill from `grpc-timeout`; so turning TLS on, or answering on the loop instead of in a task, changes
-nothing. Nothing is armed for a call without one: all it pays is one attribute test.
+The deadline (`InferenceRequest.deadline`, on `time.monotonic()`'s clock) is the earliest of the call's
+(`CallContext.deadline`, which both gRPC transports fill from `grpc-timeout`), the request's `timeout` parameter
+(µs, as its model's scheduler reads it: `queue_timeout_us`) and one it was made with (an ensemble step keeps its
+ensemble's). So turning TLS on, or answering on the loop instead of in a task, changes nothing. Nothing is armed for a
+request without one: all it pays is a few attribute tests.
 """
 
 from __future__ import annotations
@@ -11,12 +13,36 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from geserve.errors import DeadlineExceededError
 from geserve.types import InferenceRequest, InferenceResponse
 
 Answer = Callable[[InferenceResponse | Exception], None]
 Withdraw = Callable[[], None]
+
+
+class QueueTimeouts(Protocol):
+    """A scheduler that decides what a request's `timeout` means for its model (a dynamic batcher's queue policy)."""
+
+    def queue_timeout_us(self, request: InferenceRequest) -> int:
+        """The timeout after which `request` is refused, µs from its arrival (0: none)."""
+        ...
+
+
+def due(request: InferenceRequest, call_deadline: float | None, scheduler: object, now: float) -> float | None:
+    """When `request` must be answered: the earliest of the call's deadline, the one it was made with, and its
+    timeout as its scheduler reads it (any other scheduler: the `timeout` parameter itself)."""
+    rule = getattr(scheduler, "queue_timeout_us", None)
+    timeout_us = request.timeout_us if rule is None else rule(request)
+    deadline = request.deadline
+    if call_deadline is not None and (deadline is None or call_deadline < deadline):
+        deadline = call_deadline
+    if timeout_us:
+        timed = now + timeout_us / 1e6
+        if deadline is None or timed < deadline:
+            deadline = timed
+    return deadline
 
 
 def check(deadline: float | None) -> None:

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, cast
 from geserve.config import ModelConfig
 from geserve.errors import (
     CancelledError,
+    DeadlineExceededError,
     GeserveError,
     InternalError,
     InvalidArgumentError,
@@ -33,6 +34,7 @@ from geserve.errors import (
 )
 from geserve.repository.lifecycle import ModelManager, group_index
 from geserve.repository.model import LoadedModel
+from geserve.scheduling.admission import Admission
 from geserve.scheduling.queue import Pending
 from geserve.scheduling.scheduler import Schedules
 from geserve.service import deadlines
@@ -87,6 +89,9 @@ EXTENSIONS = [
 _INLINE, _QUEUED, _TASK = "inline", "queued", "task"
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
+# How early asyncio may run a timer (its clock's resolution): a request withdrawn this close to its deadline was
+# withdrawn by it.
+_TIMER_SLACK_S = 1e-6
 # How Triton refuses a decoupled model on a call that can carry one response only.
 _DECOUPLED_REFUSAL = {
     Transport.HTTP: "HTTP end point doesn't support models with decoupled transaction policy",
@@ -292,13 +297,13 @@ class InferenceService:
         remembered header of this very model: `request.prepared`), check the deadline, run, account, place outputs.
         How it runs is the run step's choice (`_shortcut`, then a task); no frontend chooses it."""
         model, started = self._checked(request, context, action)
-        outcome = self._shortcut(model, request, context.deadline, started, answer)
+        outcome = self._shortcut(model, request, started, answer)
         if outcome is not None:
             return outcome
         self.paths[_TASK] += 1
         self._enter()
-        if context.deadline is not None:
-            answer = Watched(answer, request, context.deadline)
+        if request.deadline is not None:
+            answer = Watched(answer, request, request.deadline)
         frontend = action == "infer" and context.transport is not _IN_PROCESS
         task = asyncio.get_running_loop().create_task(self._traced(model, request, context, started, frontend))
         task.add_done_callback(partial(self._task_done, model, request, answer))
@@ -335,11 +340,26 @@ class InferenceService:
         else:  # a request the model never sees is no failure of the model's
             self._prepare(model, request, context)
             request.checked_by = model
-        deadlines.check(context.deadline)
+        request.deadline = deadlines.due(request, context.deadline, model.scheduler, started / 1e9)
+        admission = model.admission if context.transport is not _IN_PROCESS else None
+        if request.deadline is not None or admission is not None:
+            self._admit_now(model, request, admission, started)
         return model, started
 
+    @staticmethod
+    def _admit_now(model: LoadedModel, request: InferenceRequest, admission: Admission | None, started: int) -> None:
+        """Refuse, counted, a request whose deadline has passed (it never starts) or that admission control sheds
+        (a call from outside: a model's own calls belong to requests already admitted)."""
+        try:
+            deadlines.check(request.deadline)
+            if admission is not None:
+                admission.admit(request, model.scheduler.inflight_count)
+        except GeserveError as exc:
+            _account(model, started, exc)
+            raise
+
     def _shortcut(
-        self, model: LoadedModel, request: InferenceRequest, deadline: float | None, started: int, answer: Answer
+        self, model: LoadedModel, request: InferenceRequest, started: int, answer: Answer
     ) -> InferenceResponse | Withdraw | None:
         """The run step without a task, where nothing needs one (no tracer, no response cache): the response of a
         model whose scheduler runs it now, on the loop; or the withdrawal of a request its scheduler queued with a
@@ -353,6 +373,7 @@ class InferenceService:
         schedule = getattr(scheduler, "schedule", None)
         if schedule is None:
             return None
+        deadline = request.deadline
         watched = Watched(answer, request, deadline) if deadline is not None else None
         done = partial(self._finished, model, request, started, watched or answer)
         try:
@@ -385,7 +406,7 @@ class InferenceService:
         if scheduler.withdraw(pending):
             self._leave()
             request.cancelled = True
-            _account(model, started, _CANCELLED)
+            _account(model, started, _gone(request))
 
     def _finished(
         self, model: LoadedModel, request: InferenceRequest, started: int, answer: Answer,
@@ -395,7 +416,7 @@ class InferenceService:
         Raises nothing (the other requests of the batch are answered after it)."""
         self._leave()
         if request.cancelled and not isinstance(result, BaseException):  # its deadline passed while it ran
-            result = _CANCELLED
+            result = _gone(request)
         try:
             if isinstance(result, BaseException):
                 error = _as_error(result)
@@ -535,7 +556,7 @@ class InferenceService:
             return await self._run(model, request, started)
         except asyncio.CancelledError:
             request.cancelled = True
-            _account(model, started, _CANCELLED)
+            _account(model, started, _gone(request))
             raise
 
     async def _run(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
@@ -849,13 +870,26 @@ def _cancel(task: asyncio.Task[InferenceResponse]) -> None:
 
 def _account(model: LoadedModel, started: int, error: BaseException | None = None) -> None:
     """The one record of an inference's outcome in its model's statistics, for every path: a success, or a failure
-    under its reason (a cancel or a passed deadline as CANCELED). A response-cache hit is recorded by the cache, as
+    under its reason (a cancel as CANCELED, a passed deadline as DEADLINE_EXCEEDED). A success is also admission's
+    latency sample. A response-cache hit is recorded by the cache, as
     Triton records it (a success with its own lookup time)."""
     elapsed = time.monotonic_ns() - started
     if error is None:
         model.statistics.record_success(elapsed)
+        admission = model.admission
+        if admission is not None:
+            admission.observe(elapsed, model.scheduler.inflight_count)
     else:
         model.statistics.record_failure(elapsed, error)
+
+
+def _gone(request: InferenceRequest) -> GeserveError:
+    """What a request withdrawn from its model is counted as: its deadline passed (the timer of `Watched` withdrew
+    it), or its caller went away."""
+    deadline = request.deadline
+    if deadline is not None and deadline <= time.monotonic() + _TIMER_SLACK_S:
+        return DeadlineExceededError()
+    return _CANCELLED
 
 
 def _as_error(error: BaseException) -> Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -9,6 +10,12 @@ from typing import Any, Protocol
 from geserve.errors import GeserveError
 from geserve.types.streams import ResponseStream
 from geserve.types.tensors import InputTensor, RequestedOutput
+
+
+def deadline_passed(request: InferenceRequest) -> bool:
+    """Whether `request`'s deadline (service/deadlines.py) has passed: it must never start (schedulers drop it)."""
+    deadline = request.deadline
+    return deadline is not None and deadline <= time.monotonic()
 
 
 def id_prefix(request_id: str) -> str:
@@ -73,6 +80,10 @@ class InferenceRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     timeout_us: int = 0
+    # Set by the service (service/deadlines.py): when the answer is due, on time.monotonic()'s clock; None: never.
+    # The earliest of the call's deadline (grpc-timeout), the `timeout` parameter and the model's queue policy; a
+    # request made for this one (an ensemble step) is made with it, and keeps it if its own is later.
+    deadline: float | None = None
     # Set by the service once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
     # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the

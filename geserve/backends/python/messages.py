@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import queue
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -239,6 +240,15 @@ class InferenceRequest:
 
     def parameters(self) -> str:
         return json.dumps(self._parameters)
+
+    def deadline(self) -> float | None:
+        """geserve's own: the seconds left before this request's deadline (the earliest of the client's gRPC
+        deadline, its `timeout` parameter and the model's queue policy), negative once it passed; None without one.
+        A model may stop early or answer less well instead of being answered DEADLINE_EXCEEDED. A BLS request gets
+        one from `timeout` (µs) when it is run."""
+        core = self._core
+        deadline = core.deadline if core is not None else None
+        return None if deadline is None else deadline - time.monotonic()
 
     def is_cancelled(self) -> bool:
         """Triton's: True once the request's client went away (a gRPC cancel, an HTTP disconnect, a stream's reader
