@@ -40,7 +40,8 @@ of `simple` grouped them (execution counts, batch_stats, batch sizes: timing wit
 
 Then the paths (`ge_inference_path_total`): with shortcuts off everything the models ran is "task"; with them on,
 `simple` is "queued", the ONNX models without a batcher "inline", `py_simple` "task", and an `ens` request one "task"
-and two "inline" steps; a request refused before its model runs is counted on no path. How many is the number of
+and two "inline" steps; a request refused before its model runs (one past its deadline on arrival too) is counted on no
+path. How many is the number of
 requests the model ran (its success and failure counts in the same case). A failure's message carries the case's
 table (server -> paths served, expected, statuses); `-s` prints the whole table after the run.
 """
@@ -432,7 +433,10 @@ def runs_of(model: str | None, counts: dict[str, int]) -> int:
     """How many requests `model` ran (succeeded or failed in it) in a case: the ones a path must have counted."""
     if model is None or model not in SHORTCUT_PATHS:
         return 0
-    return counts.get(f"{model} success", 0) + counts.get(f"{model} fail", 0)
+    # A request whose deadline passed before it arrived fails, counted, before the run step: on no path.
+    late = next((n for sample, n in counts.items() if sample.startswith("nv_inference_request_failure{")
+                 and f'model="{model}"' in sample and 'reason="DEADLINE_EXCEEDED"' in sample), 0)
+    return counts.get(f"{model} success", 0) + counts.get(f"{model} fail", 0) - late
 
 
 def expected_paths(model: str | None, runs: int, shortcuts: bool) -> dict[str, int]:

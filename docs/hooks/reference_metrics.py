@@ -24,6 +24,7 @@ from geserve.metrics.latency import LatencyRecorder
 from geserve.metrics.system import CpuReading, CpuSampler
 from geserve.repository.model import LoadedModel, ModelState
 from geserve.repository.versions import ModelRecord
+from geserve.scheduling.admission import Admission, AdmissionSettings
 from geserve.statistics import ModelStatistics
 
 _INTRO = """\
@@ -47,6 +48,7 @@ class _Setup:
 
     config: MetricsConfig = _OFF
     cached: bool = False
+    overload: bool = False
     cpu: bool = False
     gpu: bool = False
 
@@ -58,6 +60,8 @@ _CONDITIONS = (
     ("`--metrics-config histogram_latencies=true`", _Setup(config=MetricsConfig(False, histogram_latencies=True))),
     ("a model using the response cache (`--cache-config`), with `counter_latencies`",
      _Setup(config=MetricsConfig(), cached=True)),
+    ("a model under admission control (`--overload-control on`, or its `overload_control` parameter)",
+     _Setup(overload=True)),
     ("`--allow-cpu-metrics` (default true), where /proc exists", _Setup(cpu=True)),
     ("`--allow-gpu-metrics` (default true), with NVML (`geserve[cuda]` and a driver)", _Setup(gpu=True)),
 )
@@ -125,7 +129,9 @@ def _model(setup: _Setup) -> LoadedModel:
     config.instance_group.add(count=1)
     statistics = ModelStatistics(LatencyRecorder(setup.config) if setup.config.observes_latencies else None)
     scheduler: Any = _Scheduler()
-    return LoadedModel("model", 1, config, scheduler, statistics, {}, {}, response_cache=int(setup.cached))
+    admission = Admission("model", AdmissionSettings.from_config(config), statistics) if setup.overload else None
+    return LoadedModel("model", 1, config, scheduler, statistics, {}, {}, response_cache=int(setup.cached),
+                       admission=admission)
 
 
 def _cpu() -> CpuSampler:

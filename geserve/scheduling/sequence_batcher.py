@@ -81,6 +81,11 @@ class SequenceBatcher(AnswersLater):
         ]
         self._tasks.append(loop.create_task(self._guard(self._reap()), name=f"sequence-reaper-{model_name}"))
 
+    def queue_timeout_us(self, request: InferenceRequest) -> int:
+        """None of a sequence request's `timeout` is its deadline (service/deadlines.py): as in Triton it counts only
+        while its sequence waits in the backlog, and then fails the whole backlog (`_reap`)."""
+        return 0
+
     @property
     def inflight_count(self) -> int:
         return self._outstanding

@@ -56,12 +56,13 @@ class Watched:
     caller's withdrawal, or the deadline (the request is withdrawn, flagged cancelled so a batch already running it
     counts it so, and the caller answered DEADLINE_EXCEEDED)."""
 
-    __slots__ = ("_answer", "_request", "_timer", "_withdraw", "done")
+    __slots__ = ("_answer", "_deadline", "_request", "_timer", "_withdraw", "done")
 
     def __init__(self, answer: Answer, request: InferenceRequest, deadline: float) -> None:
         self._answer = answer
         self._request = request
         self._withdraw: Withdraw | None = None
+        self._deadline = deadline
         self.done = False
         delay = max(deadline - time.monotonic(), 0.0)
         self._timer = asyncio.get_running_loop().call_later(delay, self._expire)
@@ -86,6 +87,13 @@ class Watched:
 
     def _expire(self) -> None:
         if self.done:
+            return
+        early = self._deadline - time.monotonic()
+        if early > 0:
+            # uvloop's timers count whole milliseconds on a clock read once per loop turn: one may run up to about a
+            # millisecond before its time. Never before the deadline: until then the request may still be answered,
+            # and once withdrawn it is counted by whether its deadline has passed (DEADLINE_EXCEEDED, not CANCELED).
+            self._timer = asyncio.get_running_loop().call_later(early, self._expire)
             return
         self.done = True
         self._request.cancelled = True

@@ -127,6 +127,7 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
 # Read by other layers (the scheduler, the compiler); accepted here so they are not rejected as unknown.
 _HANDLED_ELSEWHERE = {
     "batch_gears", "adaptive_batching_target_p99_ms", "early_batch_dispatch",  # the scheduler's
+    "overload_control", "overload_queue_budget_ms",  # admission control's (scheduling/admission.py)
     "compile_precision_mode", "compile_dynamic_batch_size", "compile_quantize", "compile_calibration_data",
     "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",
     "compile_keep_fp32",  # the compiler's
@@ -168,6 +169,10 @@ PARAMETER_DESCRIPTIONS = {
                                        "toward this p99 latency.",
     "early_batch_dispatch": "Scheduler: send a batch before the queue delay when no request can join it "
                             "(default true).",
+    "overload_control": "Admission control for this model (on/off), overriding --overload-control: the adaptive "
+                        "concurrency limit, priorities shed lowest first, the deadline budget.",
+    "overload_queue_budget_ms": "Admission control: the longest a request without a deadline may expect to queue; "
+                                "one expected to wait longer is refused (503 + Retry-After).",
     "compile_precision_mode": "Compile on first load: --precision-mode (force_fp32, force_fp16, ...).",
     "compile_dynamic_batch_size": "Compile on first load: --dynamic-batch-size, the batch gears.",
     "compile_quantize": "Compile on first load: --quantize (none, int8).",

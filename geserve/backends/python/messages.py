@@ -82,6 +82,9 @@ _ERROR_CLASSES: dict[int, type[errors.GeserveError]] = {
     TritonError.CANCELLED: errors.CancelledError,
 }
 _CODES = {cls.code: code for code, cls in _ERROR_CLASSES.items()}
+# A BLS request whose deadline passed (its `timeout`): Triton's timed-out request is UNAVAILABLE, "Request timeout
+# expired".
+_CODES[errors.ErrorCode.DEADLINE_EXCEEDED] = TritonError.UNAVAILABLE
 
 
 class PreferredMemory:
