@@ -68,17 +68,27 @@ class CancelledError(GeserveError):
 
 
 class DeadlineExceededError(GeserveError):
-    """The request's deadline passed before its answer (service/deadlines.py): Triton's words for a timed-out request,
-    gRPC's DEADLINE_EXCEEDED, HTTP as Triton answers a timed-out request (503), and its own failure reason."""
+    """The caller's deadline for the answer (gRPC's `grpc-timeout`, HTTP's `x-envoy-expected-rq-timeout-ms`) passed
+    first (service/deadlines.py): gRPC DEADLINE_EXCEEDED, HTTP 504 (Triton has no answer for it), counted under its
+    own failure reason."""
 
     code = ErrorCode.DEADLINE_EXCEEDED
 
-    def __init__(self, message: str = "Request timeout expired") -> None:
+    def __init__(self, message: str = "Deadline Exceeded") -> None:
         super().__init__(message, "DEADLINE_EXCEEDED")
 
 
+class QueueTimeoutError(UnavailableError):
+    """The request waited past its queue timeout (Triton's `timeout` parameter, a queue policy's default timeout)
+    without starting: Triton's words and code (UNAVAILABLE, HTTP 503), counted under the failure reason
+    DEADLINE_EXCEEDED."""
+
+    def __init__(self) -> None:
+        super().__init__("Request timeout expired", "DEADLINE_EXCEEDED")
+
+
 class OverloadedError(UnavailableError):
-    """Refused by admission control (service/overload.py) before it queued: the model cannot answer it in time.
+    """Refused by admission control (scheduling/admission.py) before it queued: the model cannot answer it in time.
     HTTP 503 with `Retry-After`, gRPC UNAVAILABLE (the code gRPC clients retry with backoff), counted REJECTED."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:

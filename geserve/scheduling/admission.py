@@ -83,6 +83,9 @@ class Admission:
         self._statistics = statistics
         self.limit = float(2 * settings.min_limit)
         self.shed = dict.fromkeys(SHED_REASONS, 0)
+        # Requests of this model the service holds, from the moment `submit` takes them to their end (the scheduler's
+        # count sees a request only once its task reaches the scheduler).
+        self.held = 0
         self.service_ns = 0.0  # per request, the model's instances together; 0 until measured
         self._window_start = time.monotonic_ns()
         self._window_count = 0
@@ -93,22 +96,31 @@ class Admission:
         self._totals = statistics.execution_totals()
 
     def admit(self, request: InferenceRequest, inflight: int) -> None:
-        """Refuse `request` (OverloadedError) when the model cannot take it now; else nothing."""
+        """Refuse `request` (OverloadedError) when the model cannot take it now, with `inflight` requests in its
+        scheduler; else nothing."""
+        inflight = max(inflight, self.held)
         if inflight >= self.limit:
             self._refuse("concurrency", inflight, "its concurrency limit is reached")
         levels = self._settings.priority_levels
         if levels > 1 and inflight >= self.limit * self._share(request.priority, levels):
             self._refuse("priority", inflight, f"priority {request.priority} is shed at this load")
-        service_ns = self.service_ns
-        if service_ns:
-            due = request.deadline
-            budget_ns = self._settings.queue_budget_ns
-            if due is None and not budget_ns:
-                return
-            wait_ns = (inflight + 1) * service_ns
-            now = time.monotonic()
-            if (due is not None and now + wait_ns / 1e9 > due) or (budget_ns and inflight * service_ns > budget_ns):
-                self._refuse("deadline", inflight, "it cannot be answered before its deadline")
+        if self.service_ns:
+            self._check_budget(request, inflight)
+
+    def _check_budget(self, request: InferenceRequest, inflight: int) -> None:
+        """Refuse a request that would start after its queue deadline (or, without one, wait longer than the model's
+        queue budget) or end after its deadline: its turn comes after the `inflight` requests ahead of it."""
+        due, queued, budget_ns = request.deadline, request.queue_deadline, self._settings.queue_budget_ns
+        if due is None and queued is None and not budget_ns:
+            return
+        wait_ns = inflight * self.service_ns
+        now = time.monotonic()
+        if (
+            (queued is not None and now + wait_ns / 1e9 > queued)
+            or (due is not None and now + (wait_ns + self.service_ns) / 1e9 > due)
+            or (queued is None and budget_ns and wait_ns > budget_ns)
+        ):
+            self._refuse("deadline", inflight, "it cannot be answered before its deadline")
 
     def _share(self, priority: int, levels: int) -> float:
         level = priority if 1 <= priority <= levels else (self._settings.default_level or levels)

@@ -26,13 +26,13 @@ import numpy as np
 
 from geserve.arrivals import ARRIVALS
 from geserve.config import ModelConfig
-from geserve.errors import CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from geserve.errors import CancelledError, InvalidArgumentError, QueueTimeoutError, UnavailableError
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.pool import InstancePool, Worker, execution_failed
 from geserve.scheduling.queue import Callback, Outcome, Pending, PriorityQueue, QueuePolicy, ShapeKey
 from geserve.scheduling.scheduler import AnswersLater, SchedulerKind, SchedulerParts
 from geserve.types import InferenceRequest, InferenceResponse, InputTensor
-from geserve.types.requests import deadline_passed
+from geserve.types.requests import expiry
 
 logger = logging.getLogger(__name__)
 _CANCELLED = "the request was cancelled while it was queued"
@@ -344,7 +344,7 @@ class DynamicBatcher(AnswersLater):
             now = time.monotonic_ns()
             rejected, next_timeout = self._queue.expire(now)
             for pending in rejected:
-                self._complete(pending, DeadlineExceededError())
+                self._complete(pending, QueueTimeoutError())
             if not self._queue.size:
                 return []
             limit, delay_ns = self._limits()
@@ -415,13 +415,11 @@ class DynamicBatcher(AnswersLater):
     # ---- execution -----------------------------------------------------------------------------
 
     async def _dispatch(self, worker: Worker, batch: list[Pending]) -> None:
-        live = [p for p in batch if not p.future.cancelled() and not deadline_passed(p.request)]
-        if len(live) < len(batch):  # cancelled or past their deadline since they were taken: they never run
-            self._answer_dead(batch)
-            if not live:
-                self._pool.release(worker)
-                return
-            batch = live
+        live = self._live(batch)
+        if not live:
+            self._pool.release(worker)
+            return
+        batch = live
         self._executing += len(batch)
         requests, queued, padding_rows = self._requests(batch)
         try:
@@ -435,12 +433,18 @@ class DynamicBatcher(AnswersLater):
         if self._adaptive is not None:
             self._observe(self._adaptive, batch)
 
-    def _answer_dead(self, batch: list[Pending]) -> None:
+    def _live(self, batch: list[Pending]) -> list[Pending]:
+        """The requests of `batch` that may still start; the others (cancelled, or past a deadline since they were
+        taken) are answered now and never run."""
+        now = time.monotonic()
+        live = []
         for pending in batch:
-            if pending.future.cancelled():
-                self._complete(pending, CancelledError(_CANCELLED))
-            elif deadline_passed(pending.request):
-                self._complete(pending, DeadlineExceededError())
+            gone = CancelledError(_CANCELLED) if pending.future.cancelled() else expiry(pending.request, now)
+            if gone is None:
+                live.append(pending)
+            else:
+                self._complete(pending, gone)
+        return live
 
     def _requests(self, batch: list[Pending]) -> tuple[list[InferenceRequest], list[int], int]:
         """What the pool runs: the batch's requests (padded up to the next gear where it needs some), when each was

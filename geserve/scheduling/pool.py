@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 from geserve.arrivals import ARRIVALS
 from geserve.backends.base import Execution, ModelInstance, Results
-from geserve.errors import DeadlineExceededError, GeserveError, InternalError, UnavailableError
+from geserve.errors import GeserveError, InternalError, UnavailableError
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
-from geserve.types.requests import deadline_passed
+from geserve.types.requests import expiry
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,10 @@ class InstancePool:
     ) -> Results:
         """Execute `requests` as one batch on `worker`; the last `padding_rows` rows are gear padding. `null_requests`
         of them (one row each) fill a sequence batcher's empty slots: they count in the batch's size, as in Triton,
-        but are no inferences of their own."""
+        but are no inferences of their own. The requests have started: their queue timeouts no longer hold."""
         started = time.monotonic_ns()
+        for request in requests:
+            request.queue_deadline = None
         # Inline: a short run, or one no request can arrive during (the loop has nothing to read meanwhile) that is
         # short enough not to keep a new connection (a health probe) waiting.
         typical = self._typical_ns
@@ -244,9 +246,10 @@ class InstancePool:
         """Run `requests` on the first free instance; a lone request whose deadline passed while it waited for one
         never starts."""
         worker = await self.acquire()
-        if len(requests) == 1 and deadline_passed(requests[0]):
+        gone = expiry(requests[0], time.monotonic()) if len(requests) == 1 else None
+        if gone is not None:
             self.release(worker)
-            return [DeadlineExceededError()]
+            return [gone]
         return await self.run(worker, requests, enqueued_ns)
 
     @property

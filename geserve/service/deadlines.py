@@ -1,11 +1,19 @@
-"""A request's deadline, worked out and acted on in one place for every path of every protocol: refused before it
-starts once passed, and answered DEADLINE_EXCEEDED at that moment while it waits (a timer, not the next dispatch).
+"""A request's deadlines, worked out and acted on in one place for every path of every protocol: a request past one is
+never started, and one still waiting when it passes is answered at that moment (a timer, not the next dispatch).
 
-The deadline (`InferenceRequest.deadline`, on `time.monotonic()`'s clock) is the earliest of the call's
-(`CallContext.deadline`, which both gRPC transports fill from `grpc-timeout`), the request's `timeout` parameter
-(µs, as its model's scheduler reads it: `queue_timeout_us`) and one it was made with (an ensemble step keeps its
-ensemble's). So turning TLS on, or answering on the loop instead of in a task, changes nothing. Nothing is armed for a
-request without one: all it pays is a few attribute tests.
+Two kinds, on `time.monotonic()`'s clock (service time and models' clocks alike):
+
+- `InferenceRequest.deadline`, when the caller stops waiting for the answer: the call's (`CallContext.deadline`,
+  from gRPC's `grpc-timeout` on both transports and HTTP's `x-envoy-expected-rq-timeout-ms`) or the one the request
+  was made with (an ensemble's steps keep their ensemble's), the earlier. It holds while the request runs too:
+  a success is never delivered after it (DEADLINE_EXCEEDED).
+- `InferenceRequest.queue_deadline`, Triton's queue timeout: the `timeout` parameter (µs) and the queue policy's
+  default timeout, as the model's scheduler reads them (`queue_timeout_us`: Triton's override rule, REJECT only;
+  any other scheduler takes the parameter itself). It holds until the request starts; then the request runs to its
+  end, as in Triton, whose words and code answer it (UNAVAILABLE "Request timeout expired").
+
+So turning TLS on, or answering on the loop instead of in a task, changes nothing. Nothing is armed for a request
+without either: all it pays is a few attribute tests.
 """
 
 from __future__ import annotations
@@ -15,57 +23,78 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from geserve.errors import DeadlineExceededError
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types.requests import expiry
 
 Answer = Callable[[InferenceResponse | Exception], None]
 Withdraw = Callable[[], None]
+# The deadline a gateway in front of the server gives an HTTP request (Envoy, Istio, hence KServe, set it): the
+# milliseconds the caller will wait for the answer.
+HTTP_DEADLINE_HEADER = b"x-envoy-expected-rq-timeout-ms"
 
 
 class QueueTimeouts(Protocol):
     """A scheduler that decides what a request's `timeout` means for its model (a dynamic batcher's queue policy)."""
 
     def queue_timeout_us(self, request: InferenceRequest) -> int:
-        """The timeout after which `request` is refused, µs from its arrival (0: none)."""
+        """How long `request` may wait before it starts, µs from its arrival (0: no limit)."""
         ...
 
 
-def due(request: InferenceRequest, call_deadline: float | None, scheduler: object, now: float) -> float | None:
-    """When `request` must be answered: the earliest of the call's deadline, the one it was made with, and its
-    timeout as its scheduler reads it (any other scheduler: the `timeout` parameter itself)."""
+def http_deadline(raw: bytes | None, now: float) -> float | None:
+    """The deadline an HTTP request's gateway header gives, None without a usable one (a malformed value is ignored,
+    as a gateway's hint should be)."""
+    if raw is None:
+        return None
+    try:
+        milliseconds = int(raw)
+    except ValueError:
+        return None
+    return now + milliseconds / 1000 if milliseconds > 0 else None
+
+
+def assign(request: InferenceRequest, call_deadline: float | None, scheduler: object, now: float) -> None:
+    """Set `request`'s deadline (the call's or the one it was made with, the earlier) and its queue deadline (its
+    timeout as its scheduler reads it)."""
+    if call_deadline is not None:
+        made_with = request.deadline
+        request.deadline = call_deadline if made_with is None or call_deadline < made_with else made_with
     rule = getattr(scheduler, "queue_timeout_us", None)
     timeout_us = request.timeout_us if rule is None else rule(request)
-    deadline = request.deadline
-    if call_deadline is not None and (deadline is None or call_deadline < deadline):
-        deadline = call_deadline
-    if timeout_us:
-        timed = now + timeout_us / 1e6
-        if deadline is None or timed < deadline:
-            deadline = timed
-    return deadline
+    request.queue_deadline = now + timeout_us / 1e6 if timeout_us else None
 
 
-def check(deadline: float | None) -> None:
-    """Refuse a call whose deadline has passed: it is never started."""
-    if deadline is not None and deadline <= time.monotonic():
-        raise DeadlineExceededError()
+def check(request: InferenceRequest) -> None:
+    """Refuse a request past a deadline: it is never started."""
+    error = expiry(request, time.monotonic())
+    if error is not None:
+        raise error
+
+
+def next_due(request: InferenceRequest) -> float | None:
+    """The earlier of `request`'s deadlines still ahead of it, None when none is left."""
+    deadline, queued = request.deadline, request.queue_deadline
+    if queued is None:
+        return deadline
+    return queued if deadline is None or queued < deadline else deadline
 
 
 class Watched:
     """An answer owed before a deadline. Whichever comes first wins, once: the answer (the timer is cancelled), the
-    caller's withdrawal, or the deadline (the request is withdrawn, flagged cancelled so a batch already running it
-    counts it so, and the caller answered DEADLINE_EXCEEDED)."""
+    caller's withdrawal, or a deadline: the request is withdrawn, flagged cancelled so that a batch already running it
+    counts it so, and the caller answered with what passed. A queue deadline that passes after the request started
+    is no longer its (the pool cleared it): the timer then waits for the deadline, if any."""
 
-    __slots__ = ("_answer", "_deadline", "_request", "_timer", "_withdraw", "done")
+    __slots__ = ("_answer", "_due", "_request", "_timer", "_withdraw", "done")
 
-    def __init__(self, answer: Answer, request: InferenceRequest, deadline: float) -> None:
+    def __init__(self, answer: Answer, request: InferenceRequest, due: float) -> None:
         self._answer = answer
         self._request = request
         self._withdraw: Withdraw | None = None
-        self._deadline = deadline
         self.done = False
-        delay = max(deadline - time.monotonic(), 0.0)
-        self._timer = asyncio.get_running_loop().call_later(delay, self._expire)
+        self._due = due
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            max(due - time.monotonic(), 0.0), self._expire)
 
     def bind(self, withdraw: Withdraw) -> Withdraw:
         """The call that withdraws the request once it is queued or running; the caller's way to withdraw it."""
@@ -74,29 +103,35 @@ class Watched:
 
     def __call__(self, outcome: InferenceResponse | Exception) -> None:
         if not self.done:
-            self.done = True
-            self._timer.cancel()
+            self._settle()
             self._answer(outcome)
 
     def withdraw(self) -> None:
         if not self.done:
-            self.done = True
-            self._timer.cancel()
+            self._settle()
             if self._withdraw is not None:
                 self._withdraw()
+
+    def _settle(self) -> None:
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _expire(self) -> None:
         if self.done:
             return
-        early = self._deadline - time.monotonic()
-        if early > 0:
+        now = time.monotonic()
+        error = expiry(self._request, now) if self._due <= now else None
+        if error is None:
             # uvloop's timers count whole milliseconds on a clock read once per loop turn: one may run up to about a
-            # millisecond before its time. Never before the deadline: until then the request may still be answered,
-            # and once withdrawn it is counted by whether its deadline has passed (DEADLINE_EXCEEDED, not CANCELED).
-            self._timer = asyncio.get_running_loop().call_later(early, self._expire)
+            # millisecond early. Never before its time: until then the request may still be answered, and once
+            # withdrawn it is counted by the deadline that passed. Or the queue deadline went when the request started.
+            due = next_due(self._request)
+            self._due = due if due is not None else now
+            self._timer = None if due is None else asyncio.get_running_loop().call_later(due - now, self._expire)
             return
         self.done = True
         self._request.cancelled = True
         if self._withdraw is not None:
             self._withdraw()
-        self._answer(DeadlineExceededError())
+        self._answer(error)

@@ -22,7 +22,6 @@ from typing import Any, NoReturn, cast
 from geserve.config import ModelConfig
 from geserve.errors import (
     CancelledError,
-    DeadlineExceededError,
     GeserveError,
     InternalError,
     InvalidArgumentError,
@@ -58,6 +57,7 @@ from geserve.service.tracing.tracer import Tracing
 from geserve.service.validation import prepare
 from geserve.statistics import merge_statistics
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.types.requests import expiry
 from geserve.types.streams import ResponseStream, StreamResponse
 from geserve.types.wire import tensor_bytes
 from geserve.version import __version__
@@ -89,9 +89,6 @@ EXTENSIONS = [
 _INLINE, _QUEUED, _TASK = "inline", "queued", "task"
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
-# How early asyncio may run a timer (its clock's resolution): a request withdrawn this close to its deadline was
-# withdrawn by it.
-_TIMER_SLACK_S = 1e-6
 # How Triton refuses a decoupled model on a call that can carry one response only.
 _DECOUPLED_REFUSAL = {
     Transport.HTTP: "HTTP end point doesn't support models with decoupled transaction policy",
@@ -214,11 +211,17 @@ class InferenceService:
                 self._idle = None
         return not self._inflight
 
-    def _enter(self) -> None:
+    def _enter(self, model: LoadedModel | None = None) -> None:
+        """An inference call starts; of `model`, whose admission control then counts it held until `_leave`: counted
+        before `submit` returns, so requests read in the same loop turn are admitted against each other."""
         self._inflight += 1
+        if model is not None and model.admission is not None:
+            model.admission.held += 1
 
-    def _leave(self) -> None:
+    def _leave(self, model: LoadedModel | None = None) -> None:
         self._inflight -= 1
+        if model is not None and model.admission is not None:
+            model.admission.held -= 1
         if not self._inflight and self._idle is not None:
             self._idle.set()
 
@@ -291,19 +294,22 @@ class InferenceService:
         """The one way in for an inference with one response, from every frontend and every path: the response when
         it was answered at once (on the loop), else the call that withdraws the request (its caller went away:
         counted CANCELED, `answer` never called), `answer` being called with its response or error later. Raises
-        what fails before the model runs (admission, an unknown model, a bad request, a passed deadline).
+        what fails before the model runs (admission, an unknown model, a bad request, a passed deadline, a refusal by
+        admission control).
 
         The steps, in order: admit, resolve the model, prepare (skipped for a request its frontend made from a
-        remembered header of this very model: `request.prepared`), check the deadline, run, account, place outputs.
+        remembered header of this very model: `request.prepared`), deadlines and admission control, run, account,
+        place outputs.
         How it runs is the run step's choice (`_shortcut`, then a task); no frontend chooses it."""
         model, started = self._checked(request, context, action)
         outcome = self._shortcut(model, request, started, answer)
         if outcome is not None:
             return outcome
         self.paths[_TASK] += 1
-        self._enter()
-        if request.deadline is not None:
-            answer = Watched(answer, request, request.deadline)
+        self._enter(model)
+        due = deadlines.next_due(request)
+        if due is not None:
+            answer = Watched(answer, request, due)
         frontend = action == "infer" and context.transport is not _IN_PROCESS
         task = asyncio.get_running_loop().create_task(self._traced(model, request, context, started, frontend))
         task.add_done_callback(partial(self._task_done, model, request, answer))
@@ -326,7 +332,8 @@ class InferenceService:
             raise
 
     def _checked(self, request: InferenceRequest, context: CallContext, action: str) -> tuple[LoadedModel, int]:
-        """Admit, resolve and prepare `request`, and check its deadline: its model and when it started."""
+        """Admit, resolve and prepare `request`, and check its deadlines and admission: its model and when it
+        started."""
         self._admit_inference(request, context, action)
         model = self._lookup(request)
         if model.decoupled and action == "infer":
@@ -340,18 +347,18 @@ class InferenceService:
         else:  # a request the model never sees is no failure of the model's
             self._prepare(model, request, context)
             request.checked_by = model
-        request.deadline = deadlines.due(request, context.deadline, model.scheduler, started / 1e9)
+        deadlines.assign(request, context.deadline, model.scheduler, started / 1e9)
         admission = model.admission if context.transport is not _IN_PROCESS else None
-        if request.deadline is not None or admission is not None:
+        if admission is not None or request.deadline is not None or request.queue_deadline is not None:
             self._admit_now(model, request, admission, started)
         return model, started
 
     @staticmethod
     def _admit_now(model: LoadedModel, request: InferenceRequest, admission: Admission | None, started: int) -> None:
-        """Refuse, counted, a request whose deadline has passed (it never starts) or that admission control sheds
+        """Refuse, counted, a request past a deadline (it never starts) or that admission control sheds
         (a call from outside: a model's own calls belong to requests already admitted)."""
         try:
-            deadlines.check(request.deadline)
+            deadlines.check(request)
             if admission is not None:
                 admission.admit(request, model.scheduler.inflight_count)
         except GeserveError as exc:
@@ -373,8 +380,8 @@ class InferenceService:
         schedule = getattr(scheduler, "schedule", None)
         if schedule is None:
             return None
-        deadline = request.deadline
-        watched = Watched(answer, request, deadline) if deadline is not None else None
+        due = deadlines.next_due(request)
+        watched = Watched(answer, request, due) if due is not None else None
         done = partial(self._finished, model, request, started, watched or answer)
         try:
             pending = schedule(request, done)
@@ -384,19 +391,19 @@ class InferenceService:
         if pending is None:
             return None
         self.paths[_QUEUED] += 1
-        self._enter()
+        self._enter(model)
         withdraw = partial(self._withdraw, cast(Schedules, scheduler), pending, model, request, started)
         return withdraw if watched is None else watched.bind(withdraw)
 
     def _run_now(self, model: LoadedModel, request: InferenceRequest, started: int) -> InferenceResponse:
-        self._enter()
+        self._enter(model)
         try:
             response = self._succeeded(model, request, model.scheduler.run_now(request), started)
         except Exception as exc:  # as in `_run`
             _account(model, started, exc)
             raise
         finally:
-            self._leave()
+            self._leave(model)
         self._place_outputs(request, response)
         return response
 
@@ -404,7 +411,7 @@ class InferenceService:
         self, scheduler: Schedules, pending: Pending, model: LoadedModel, request: InferenceRequest, started: int
     ) -> None:
         if scheduler.withdraw(pending):
-            self._leave()
+            self._leave(model)
             request.cancelled = True
             _account(model, started, _gone(request))
 
@@ -414,7 +421,7 @@ class InferenceService:
     ) -> None:
         """Called by the scheduler as a queued request's batch completes: counted as `_run` counts it, then answered.
         Raises nothing (the other requests of the batch are answered after it)."""
-        self._leave()
+        self._leave(model)
         if request.cancelled and not isinstance(result, BaseException):  # its deadline passed while it ran
             result = _gone(request)
         try:
@@ -432,7 +439,7 @@ class InferenceService:
     def _task_done(
         self, model: LoadedModel, request: InferenceRequest, answer: Answer, task: asyncio.Task[InferenceResponse]
     ) -> None:
-        self._leave()
+        self._leave(model)
         if task.cancelled():  # withdrawn: counted CANCELED by `_execute`, and nobody to answer
             return
         error = task.exception()
@@ -479,6 +486,9 @@ class InferenceService:
             model = self._lookup(request)
             started = time.monotonic_ns()
             self._prepare(model, request, context)
+            # Its deadline is checked now and seen by the model (`request.deadline()`); a stream under way is not cut.
+            deadlines.assign(request, context.deadline, model.scheduler, started / 1e9)
+            self._admit_now(model, request, model.admission if context.transport is not _IN_PROCESS else None, started)
             responses = self._decoupled_responses(model, request, started)
             try:
                 async for item in responses:
@@ -598,7 +608,7 @@ class InferenceService:
         """Another worker's request of a sequence (`_forward_sequence`): its answer when this worker holds the
         sequence, else None. The request was admitted and checked by the worker it came to."""
         model = self._lookup(request)
-        self._enter()
+        self._enter(model)
         started = time.monotonic_ns()
         try:
             response = await model.scheduler.enqueue(request)
@@ -608,7 +618,7 @@ class InferenceService:
             _account(model, started, exc)
             raise
         finally:
-            self._leave()
+            self._leave(model)
         _account(model, started)
         response.model_version = str(model.version)
         return response
@@ -884,12 +894,9 @@ def _account(model: LoadedModel, started: int, error: BaseException | None = Non
 
 
 def _gone(request: InferenceRequest) -> GeserveError:
-    """What a request withdrawn from its model is counted as: its deadline passed (the timer of `Watched` withdrew
-    it), or its caller went away."""
-    deadline = request.deadline
-    if deadline is not None and deadline <= time.monotonic() + _TIMER_SLACK_S:
-        return DeadlineExceededError()
-    return _CANCELLED
+    """What a request withdrawn from its model is counted as: the deadline that passed (the timer of `Watched`
+    withdrew it), else its caller went away."""
+    return expiry(request, time.monotonic()) or _CANCELLED
 
 
 def _as_error(error: BaseException) -> Exception:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from geserve.errors import GeserveError
+from geserve.errors import DeadlineExceededError, GeserveError, QueueTimeoutError
 from geserve.types.streams import ResponseStream
 from geserve.types.tensors import InputTensor, RequestedOutput
 
 
-def deadline_passed(request: InferenceRequest) -> bool:
-    """Whether `request`'s deadline (service/deadlines.py) has passed: it must never start (schedulers drop it)."""
+def expiry(request: InferenceRequest, now: float) -> GeserveError | None:
+    """Why `request` may no longer start at `now` (service/deadlines.py), or None: its deadline passed, or it waited
+    past its queue timeout. Schedulers never start a request with one."""
     deadline = request.deadline
-    return deadline is not None and deadline <= time.monotonic()
+    if deadline is not None and deadline <= now:
+        return DeadlineExceededError()
+    queued = request.queue_deadline
+    if queued is not None and queued <= now:
+        return QueueTimeoutError()
+    return None
 
 
 def id_prefix(request_id: str) -> str:
@@ -80,10 +85,12 @@ class InferenceRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     timeout_us: int = 0
-    # Set by the service (service/deadlines.py): when the answer is due, on time.monotonic()'s clock; None: never.
-    # The earliest of the call's deadline (grpc-timeout), the `timeout` parameter and the model's queue policy; a
-    # request made for this one (an ensemble step) is made with it, and keeps it if its own is later.
+    # Set by the service (service/deadlines.py), on time.monotonic()'s clock; None: none. `deadline`: when the caller
+    # stops waiting for the answer (grpc-timeout; an ensemble's step is made with its ensemble's). `queue_deadline`:
+    # Triton's queue timeout (the `timeout` parameter, the queue policy's default), until the request starts; the
+    # instance pool clears it then, and the request runs to its end as in Triton.
     deadline: float | None = None
+    queue_deadline: float | None = None
     # Set by the service once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
     # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the

@@ -82,8 +82,8 @@ _ERROR_CLASSES: dict[int, type[errors.GeserveError]] = {
     TritonError.CANCELLED: errors.CancelledError,
 }
 _CODES = {cls.code: code for code, cls in _ERROR_CLASSES.items()}
-# A BLS request whose deadline passed (its `timeout`): Triton's timed-out request is UNAVAILABLE, "Request timeout
-# expired".
+# A BLS request whose caller's deadline passed: pb_utils.TritonError has no DEADLINE_EXCEEDED, and Triton answers a
+# timed-out request UNAVAILABLE.
 _CODES[errors.ErrorCode.DEADLINE_EXCEEDED] = TritonError.UNAVAILABLE
 
 
@@ -245,10 +245,10 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def deadline(self) -> float | None:
-        """geserve's own: the seconds left before this request's deadline (the earliest of the client's gRPC
-        deadline, its `timeout` parameter and the model's queue policy), negative once it passed; None without one.
-        A model may stop early or answer less well instead of being answered DEADLINE_EXCEEDED. A BLS request gets
-        one from `timeout` (µs) when it is run."""
+        """geserve's own: the seconds left before the caller stops waiting for this request's answer (its gRPC
+        deadline, a gateway's HTTP deadline, its ensemble's), negative once passed; None without one. A model may
+        stop early or answer less well instead of being answered DEADLINE_EXCEEDED. (`timeout` is Triton's queue
+        timeout: once `execute` has the request it no longer applies.)"""
         core = self._core
         deadline = core.deadline if core is not None else None
         return None if deadline is None else deadline - time.monotonic()

@@ -41,6 +41,7 @@ from geserve.frontends.http.codec import (
     remember_prepared,
 )
 from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.deadlines import HTTP_DEADLINE_HEADER, http_deadline
 from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -626,6 +627,9 @@ def _context(
     client: tuple[str, int] | None, headers: dict[bytes, bytes], extensions: dict[str, Any] | None
 ) -> CallContext:
     context = CallContext(Transport.HTTP, f"{client[0]}:{client[1]}" if client else "", _HeaderView(headers))
+    deadline = headers.get(HTTP_DEADLINE_HEADER)
+    if deadline is not None:  # a gateway's deadline for the answer (service/deadlines.py)
+        context.deadline = http_deadline(deadline, time.monotonic())
     if extensions is not None and "tls" in extensions:  # HTTPS; under mutual TLS, the verified client certificate
         context.peer_certificate_subject = extensions["tls"].get("client_cert_name")
     return context

@@ -14,5 +14,5 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CANCELLED: 500,
     ErrorCode.UNAUTHENTICATED: 401,  # the error carries `WWW-Authenticate: Bearer ...` (RFC 6750)
     ErrorCode.PERMISSION_DENIED: 403,  # Triton's answer for a restricted API called without its header
-    ErrorCode.DEADLINE_EXCEEDED: 503,  # Triton answers a timed-out request UNAVAILABLE: 503 over HTTP
+    ErrorCode.DEADLINE_EXCEEDED: 504,  # a gateway's deadline (x-envoy-expected-rq-timeout-ms): Triton has none
 }
