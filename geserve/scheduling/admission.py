@@ -108,19 +108,22 @@ class Admission:
             self._check_budget(request, inflight)
 
     def _check_budget(self, request: InferenceRequest, inflight: int) -> None:
-        """Refuse a request that would start after its queue deadline (or, without one, wait longer than the model's
-        queue budget) or end after its deadline: its turn comes after the `inflight` requests ahead of it."""
-        due, queued, budget_ns = request.deadline, request.queue_deadline, self._settings.queue_budget_ns
-        if due is None and queued is None and not budget_ns:
-            return
-        wait_ns = inflight * self.service_ns
-        now = time.monotonic()
-        if (
-            (queued is not None and now + wait_ns / 1e9 > queued)
-            or (due is not None and now + (wait_ns + self.service_ns) / 1e9 > due)
-            or (queued is None and budget_ns and wait_ns > budget_ns)
-        ):
+        """Refuse a request whose turn, after the `inflight` requests ahead of it, comes too late."""
+        latest = self._latest_start(request)
+        if latest is not None and time.monotonic() + inflight * self.service_ns / 1e9 > latest:
             self._refuse("deadline", inflight, "it cannot be answered before its deadline")
+
+    def _latest_start(self, request: InferenceRequest) -> float | None:
+        """When `request` must start at the latest: by its queue deadline (without one, within the model's queue
+        budget), and one service time before its deadline; None when nothing bounds it."""
+        queued = request.queue_deadline
+        if queued is None and self._settings.queue_budget_ns:
+            queued = time.monotonic() + self._settings.queue_budget_ns / 1e9
+        due = request.deadline
+        if due is None:
+            return queued
+        latest = due - self.service_ns / 1e9
+        return latest if queued is None or latest < queued else queued
 
     def _share(self, priority: int, levels: int) -> float:
         level = priority if 1 <= priority <= levels else (self._settings.default_level or levels)

@@ -339,19 +339,24 @@ class InferenceService:
         if model.decoupled and action == "infer":
             raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
         started = time.monotonic_ns()
-        prepared = request.prepared
-        if prepared is not None and prepared.model is model and self.shortcuts:
-            if prepared.order is not None:
-                request.inputs = [request.inputs[i] for i in prepared.order]
-            request.batch_size = prepared.batch_size
-        else:  # a request the model never sees is no failure of the model's
-            self._prepare(model, request, context)
-            request.checked_by = model
+        self._prepare_once(model, request, context)
         deadlines.assign(request, context.deadline, model.scheduler, started / 1e9)
         admission = model.admission if context.transport is not _IN_PROCESS else None
         if admission is not None or request.deadline is not None or request.queue_deadline is not None:
             self._admit_now(model, request, admission, started)
         return model, started
+
+    def _prepare_once(self, model: LoadedModel, request: InferenceRequest, context: CallContext) -> None:
+        """Prepare `request`, or apply what preparing the request of the same remembered header for this very model
+        made (`request.prepared`). A request the model never sees is no failure of the model's: nothing counted."""
+        prepared = request.prepared
+        if prepared is not None and prepared.model is model and self.shortcuts:
+            if prepared.order is not None:
+                request.inputs = [request.inputs[i] for i in prepared.order]
+            request.batch_size = prepared.batch_size
+        else:
+            self._prepare(model, request, context)
+            request.checked_by = model
 
     @staticmethod
     def _admit_now(model: LoadedModel, request: InferenceRequest, admission: Admission | None, started: int) -> None:
