@@ -74,8 +74,8 @@ class DeadlineExceededError(GeserveError):
 
     code = ErrorCode.DEADLINE_EXCEEDED
 
-    def __init__(self, message: str = "Deadline Exceeded") -> None:
-        super().__init__(message, "DEADLINE_EXCEEDED")
+    def __init__(self, message: str = "Deadline Exceeded", failure_reason: str = "DEADLINE_EXCEEDED") -> None:
+        super().__init__(message, failure_reason)
 
 
 class QueueTimeoutError(UnavailableError):
@@ -83,8 +83,8 @@ class QueueTimeoutError(UnavailableError):
     without starting: Triton's words and code (UNAVAILABLE, HTTP 503), counted under the failure reason
     DEADLINE_EXCEEDED."""
 
-    def __init__(self) -> None:
-        super().__init__("Request timeout expired", "DEADLINE_EXCEEDED")
+    def __init__(self, message: str = "Request timeout expired", failure_reason: str = "DEADLINE_EXCEEDED") -> None:
+        super().__init__(message, failure_reason)
 
 
 class OverloadedError(UnavailableError):

@@ -11,7 +11,10 @@ Three rules, checked in this order against the requests the model holds (its sch
   first: the lowest gets half;
 - the queue-time budget: a request whose deadline (or, without one, the model's `overload_queue_budget_ms`) falls
   before the time its turn can come (the requests ahead of it times the model's measured service time per request)
-  is refused now: it would be answered DEADLINE_EXCEEDED after holding a place in the queue.
+  is refused now: it would be answered DEADLINE_EXCEEDED after holding a place in the queue. A batching model's
+  service time per request depends on how full its batches are: a queue of a batch or more runs in full batches, so
+  it is charged the time measured over batches at least half full (at low load the batches are small, and their
+  time per request, up to the batch size times more, refused bursts the model would have answered in time).
 
 Written here rather than taken from a library: no Python library does it for an asyncio server, and the whole
 check is a few comparisons per request.
@@ -50,6 +53,7 @@ class AdmissionSettings:
     default_level: int
     queue_budget_ns: int
     parallelism: int
+    batch: int  # the most rows one execution takes (1 without batching)
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> AdmissionSettings:
@@ -62,6 +66,7 @@ class AdmissionSettings:
             default_level=batching.default_priority_level if batching is not None else 0,
             queue_budget_ns=int(float(budget.string_value) * 1e6) if budget is not None else 0,
             parallelism=instances,
+            batch=max(1, config.max_batch_size),
         )
 
 
@@ -87,6 +92,7 @@ class Admission:
         # count sees a request only once its task reaches the scheduler).
         self.held = 0
         self.service_ns = 0.0  # per request, the model's instances together; 0 until measured
+        self.full_service_ns = 0.0  # the same over the last window of batches at least half full; 0 until one ran
         self._window_start = time.monotonic_ns()
         self._window_count = 0
         self._window_sum = 0
@@ -94,6 +100,7 @@ class Admission:
         self._window_peak = 0  # the most requests held while this window's answers were given
         self._minima: deque[int] = deque(maxlen=_NOLOAD_WINDOWS)
         self._totals = statistics.execution_totals()
+        self._executions = statistics.execution_count
 
     def admit(self, request: InferenceRequest, inflight: int) -> None:
         """Refuse `request` (OverloadedError) when the model cannot take it now, with `inflight` requests in its
@@ -109,11 +116,18 @@ class Admission:
 
     def _check_budget(self, request: InferenceRequest, inflight: int) -> None:
         """Refuse a request whose turn, after the `inflight` requests ahead of it, comes too late."""
-        latest = self._latest_start(request)
-        if latest is not None and time.monotonic() + inflight * self.service_ns / 1e9 > latest:
+        service_ns = self._service_for(inflight)
+        latest = self._latest_start(request, service_ns)
+        if latest is not None and time.monotonic() + inflight * service_ns / 1e9 > latest:
             self._refuse("deadline", inflight, "it cannot be answered before its deadline")
 
-    def _latest_start(self, request: InferenceRequest) -> float | None:
+    def _service_for(self, inflight: int) -> float:
+        """The service time per request of a queue of `inflight`: once it fills a batch, the time measured over full
+        batches (that is how it will run), else the last window's."""
+        full = self.full_service_ns
+        return full if full and inflight >= self._settings.batch else self.service_ns
+
+    def _latest_start(self, request: InferenceRequest, service_ns: float) -> float | None:
         """When `request` must start at the latest: by its queue deadline (without one, within the model's queue
         budget), and one service time before its deadline; None when nothing bounds it."""
         queued = request.queue_deadline
@@ -122,7 +136,7 @@ class Admission:
         due = request.deadline
         if due is None:
             return queued
-        latest = due - self.service_ns / 1e9
+        latest = due - service_ns / 1e9
         return latest if queued is None or latest < queued else queued
 
     def _share(self, priority: int, levels: int) -> float:
@@ -164,9 +178,13 @@ class Admission:
 
     def _measure_service(self) -> None:
         """The model's service time per request over the window: its executions' time over the inferences they
-        made, shared by its instances."""
+        made, shared by its instances; also kept as the full-batch one when its batches were at least half full."""
         totals = self._statistics.execution_totals()
+        executions = self._statistics.execution_count  # read beside the totals: off by an execution at worst
         inferences, busy_ns = totals[0] - self._totals[0], totals[1] - self._totals[1]
-        self._totals = totals
+        ran = executions - self._executions
+        self._totals, self._executions = totals, executions
         if inferences > 0:
             self.service_ns = busy_ns / inferences / self._settings.parallelism
+            if 2 * inferences >= ran * self._settings.batch:
+                self.full_service_ns = self.service_ns

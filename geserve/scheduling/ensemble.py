@@ -69,6 +69,10 @@ class EnsembleScheduler(AnswersLater):
         self._statistics = statistics
         self._inflight = InflightTracker()
 
+    def queue_timeout_us(self, request: InferenceRequest) -> int:
+        """None: as in Triton, the `timeout` parameter goes to every step, each its own queue timeout there."""
+        return 0
+
     @property
     def inflight_count(self) -> int:
         return self._inflight.count
