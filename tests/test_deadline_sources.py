@@ -47,7 +47,7 @@ import uvloop
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from geserve.errors import DeadlineExceededError, GeserveError, QueueTimeoutError
-from geserve.service.deadlines import Watched, next_due
+from geserve.service.deadlines import Watched
 from geserve.types import InferenceRequest
 from tests.support import models
 from tests.support.ensembles import Ensemble, Step
@@ -732,6 +732,22 @@ def test_a_python_model_sees_the_time_it_has_left(server: RunningServer, source:
 # ---- the timer itself ------------------------------------------------------------------------------------------------
 
 
+def _nothing() -> None:
+    """A withdrawal with nothing to take back."""
+
+
+def test_a_watch_is_armed_only_once_bound() -> None:
+    """A request its scheduler did not take (`schedule` returned None: it runs in a task, watched there) is never
+    answered by the watch made for it: the timer starts only when `bind` hands it the request's withdrawal."""
+    async def calls() -> list[object]:
+        answered: list[object] = []
+        Watched(answered.append, _request(deadline=time.monotonic() + 0.005))
+        await asyncio.sleep(0.03)
+        return answered
+
+    assert asyncio.run(calls()) == []
+
+
 def _request(deadline: float | None = None, queue_deadline: float | None = None) -> InferenceRequest:
     request = InferenceRequest("m", "", [])
     request.deadline, request.queue_deadline = deadline, queue_deadline
@@ -754,7 +770,7 @@ def test_the_deadline_timer_never_answers_before_the_deadline(loop: str, kind: s
             answered = asyncio.get_running_loop().create_future()
             deadline = time.monotonic() + 0.003 + i * 0.00013  # sub-millisecond offsets
             request = _request(**{kind: deadline})
-            Watched(lambda outcome, f=answered: f.set_result((time.monotonic(), outcome)), request, deadline)
+            Watched(lambda outcome, f=answered: f.set_result((time.monotonic(), outcome)), request).bind(_nothing)
             at, outcome = await asyncio.wait_for(answered, 1)
             assert isinstance(outcome, expected)
             early.append(deadline - at)
@@ -772,13 +788,13 @@ def test_a_started_requests_timer_waits_for_its_deadline_only(loop: str) -> None
         now = time.monotonic()
         answered = asyncio.get_running_loop().create_future()
         request = _request(deadline=now + 0.02, queue_deadline=now + 0.005)
-        Watched(lambda outcome: answered.set_result((time.monotonic(), outcome)), request, next_due(request) or 0)
+        Watched(lambda outcome: answered.set_result((time.monotonic(), outcome)), request).bind(_nothing)
         request.queue_deadline = None  # started
         at, outcome = await asyncio.wait_for(answered, 1)
 
         queued_only = _request(queue_deadline=time.monotonic() + 0.005)
         calls: list[object] = []
-        Watched(calls.append, queued_only, queued_only.queue_deadline or 0)
+        Watched(calls.append, queued_only).bind(_nothing)
         queued_only.queue_deadline = None
         await asyncio.sleep(0.03)
         return at - (now + 0.02), outcome, not calls

@@ -87,19 +87,26 @@ class Watched:
 
     __slots__ = ("_answer", "_due", "_request", "_timer", "_withdraw", "done")
 
-    def __init__(self, answer: Answer, request: InferenceRequest, due: float) -> None:
+    def __init__(self, answer: Answer, request: InferenceRequest) -> None:
         self._answer = answer
         self._request = request
         self._withdraw: Withdraw | None = None
         self.done = False
-        self._due = due
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            max(due - time.monotonic(), 0.0), self._expire)
+        self._due = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     def bind(self, withdraw: Withdraw) -> Withdraw:
-        """The call that withdraws the request once it is queued or running; the caller's way to withdraw it."""
+        """Arm the timer, once the request is queued or running, with the call that withdraws it; returns the
+        caller's way to withdraw it. (Not armed before: a request its scheduler did not take is no one's to answer.)"""
         self._withdraw = withdraw
+        due = next_due(self._request)
+        if due is not None:
+            self._arm(due, time.monotonic())
         return self.withdraw
+
+    def _arm(self, due: float, now: float) -> None:
+        self._due = due
+        self._timer = asyncio.get_running_loop().call_later(max(due - now, 0.0), self._expire)
 
     def __call__(self, outcome: InferenceResponse | Exception) -> None:
         if not self.done:
@@ -127,8 +134,9 @@ class Watched:
             # millisecond early. Never before its time: until then the request may still be answered, and once
             # withdrawn it is counted by the deadline that passed. Or the queue deadline went when the request started.
             due = next_due(self._request)
-            self._due = due if due is not None else now
-            self._timer = None if due is None else asyncio.get_running_loop().call_later(due - now, self._expire)
+            self._timer = None
+            if due is not None:
+                self._arm(due, now)
             return
         self.done = True
         self._request.cancelled = True

@@ -307,9 +307,8 @@ class InferenceService:
             return outcome
         self.paths[_TASK] += 1
         self._enter(model)
-        due = deadlines.next_due(request)
-        if due is not None:
-            answer = Watched(answer, request, due)
+        if request.deadline is not None or request.queue_deadline is not None:
+            answer = Watched(answer, request)
         frontend = action == "infer" and context.transport is not _IN_PROCESS
         task = asyncio.get_running_loop().create_task(self._traced(model, request, context, started, frontend))
         task.add_done_callback(partial(self._task_done, model, request, answer))
@@ -385,8 +384,8 @@ class InferenceService:
         schedule = getattr(scheduler, "schedule", None)
         if schedule is None:
             return None
-        due = deadlines.next_due(request)
-        watched = Watched(answer, request, due) if due is not None else None
+        due = request.deadline is not None or request.queue_deadline is not None
+        watched = Watched(answer, request) if due else None
         done = partial(self._finished, model, request, started, watched or answer)
         try:
             pending = schedule(request, done)
