@@ -116,27 +116,32 @@ class Admission:
 
     def _check_budget(self, request: InferenceRequest, inflight: int) -> None:
         """Refuse a request whose turn, after the `inflight` requests ahead of it, comes too late."""
-        service_ns = self._service_for(inflight)
-        latest = self._latest_start(request, service_ns)
-        if latest is not None and time.monotonic() + inflight * service_ns / 1e9 > latest:
+        wait_ns, own_ns = self._estimate(inflight)
+        latest = self._latest_start(request, own_ns)
+        if latest is not None and time.monotonic() + wait_ns / 1e9 > latest:
             self._refuse("deadline", inflight, "it cannot be answered before its deadline")
 
-    def _service_for(self, inflight: int) -> float:
-        """The service time per request of a queue of `inflight`: once it fills a batch, the time measured over full
-        batches (that is how it will run), else the last window's."""
-        full = self.full_service_ns
-        return full if full and inflight >= self._settings.batch else self.service_ns
+    def _estimate(self, inflight: int) -> tuple[float, float]:
+        """How long a request arriving behind `inflight` waits for its turn, and how long its own execution then
+        takes: a queue that fills batches runs at the service time measured over full batches; a shorter one waits
+        at most for the batch running and goes in the next."""
+        batch = self._settings.batch
+        full = self.full_service_ns or self.service_ns
+        batch_ns = full * batch
+        if inflight >= batch:
+            return inflight * full, batch_ns
+        return min(inflight * self.service_ns, batch_ns), min((inflight + 1) * self.service_ns, batch_ns)
 
-    def _latest_start(self, request: InferenceRequest, service_ns: float) -> float | None:
+    def _latest_start(self, request: InferenceRequest, own_ns: float) -> float | None:
         """When `request` must start at the latest: by its queue deadline (without one, within the model's queue
-        budget), and one service time before its deadline; None when nothing bounds it."""
+        budget), and its own execution's time before its deadline; None when nothing bounds it."""
         queued = request.queue_deadline
         if queued is None and self._settings.queue_budget_ns:
             queued = time.monotonic() + self._settings.queue_budget_ns / 1e9
         due = request.deadline
         if due is None:
             return queued
-        latest = due - service_ns / 1e9
+        latest = due - own_ns / 1e9
         return latest if queued is None or latest < queued else queued
 
     def _share(self, priority: int, levels: int) -> float:
