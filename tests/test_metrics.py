@@ -63,7 +63,8 @@ def test_statistics_count_failures_by_reason_and_feed_an_observer() -> None:
     stats.record_request(False, 10, reason="REJECTED")
     stats.record_failure(10, InternalError("execution failed"))  # the reason comes from the error
     stats.record_request(True, 10)
-    assert stats.failures_by_reason() == {"REJECTED": 1, "CANCELED": 0, "BACKEND": 1, "OTHER": 0, "DEADLINE_EXCEEDED": 0}
+    assert stats.failures_by_reason() == {
+        "REJECTED": 1, "CANCELED": 0, "BACKEND": 1, "OTHER": 0, "DEADLINE_EXCEEDED": 0}
     assert stats.as_json("m", "1")["inference_stats"]["fail"]["count"] == 2
 
     config = MetricsConfig(summary_latencies=True, histogram_latencies=True)

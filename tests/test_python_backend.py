@@ -264,12 +264,14 @@ def test_streamed_failures_count_under_their_reason(repo: Path) -> None:
             items = [item async for item in server.service.infer_stream(request(-2))]  # execute() raises
             assert items[-1].final and items[-1].error is not None
             statistics = server.manager.get("repeat").statistics
-            assert statistics.failures_by_reason() == {"REJECTED": 0, "CANCELED": 0, "BACKEND": 1, "OTHER": 0, "DEADLINE_EXCEEDED": 0}
+            assert statistics.failures_by_reason() == {
+                "REJECTED": 0, "CANCELED": 0, "BACKEND": 1, "OTHER": 0, "DEADLINE_EXCEEDED": 0}
             stream = server.service.infer_stream(request(1, 2, 3))
             async for _ in stream:
                 break  # the client goes away after the first response
             await stream.aclose()
-            assert statistics.failures_by_reason() == {"REJECTED": 0, "CANCELED": 1, "BACKEND": 1, "OTHER": 0, "DEADLINE_EXCEEDED": 0}
+            assert statistics.failures_by_reason() == {
+                "REJECTED": 0, "CANCELED": 1, "BACKEND": 1, "OTHER": 0, "DEADLINE_EXCEEDED": 0}
         finally:
             await server.stop()
 
