@@ -22,6 +22,7 @@ from typing import Any, NoReturn, cast
 from geserve.config import ModelConfig
 from geserve.errors import (
     CancelledError,
+    DeadlineExceededError,
     GeserveError,
     InternalError,
     InvalidArgumentError,
@@ -89,6 +90,8 @@ EXTENSIONS = [
 _INLINE, _QUEUED, _TASK = "inline", "queued", "task"
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
+# How long before its deadline a caller's cancel is still its deadline (`_gone`): the client's clock ran out first.
+_CALLER_DEADLINE_LEAD_S = 0.02
 # How Triton refuses a decoupled model on a call that can carry one response only.
 _DECOUPLED_REFUSAL = {
     Transport.HTTP: "HTTP end point doesn't support models with decoupled transaction policy",
@@ -899,8 +902,14 @@ def _account(model: LoadedModel, started: int, error: BaseException | None = Non
 
 def _gone(request: InferenceRequest) -> GeserveError:
     """What a request withdrawn from its model is counted as: the deadline that passed (the timer of `Watched`
-    withdrew it), else its caller went away."""
-    return expiry(request, time.monotonic()) or _CANCELLED
+    withdrew it), else its caller went away. A caller that goes away just before its deadline went at it: a gRPC
+    client cancels at its own deadline, which the server's, taken on arrival from the rounded `grpc-timeout`, trails
+    by the transit time."""
+    now = time.monotonic()
+    deadline = request.deadline
+    if deadline is not None and deadline - _CALLER_DEADLINE_LEAD_S <= now:
+        return DeadlineExceededError()
+    return expiry(request, now) or _CANCELLED
 
 
 def _as_error(error: BaseException) -> Exception:
