@@ -1,7 +1,8 @@
 """Admission control for one model version (`--overload-control`): refuse at arrival, in a few µs, what the model
 cannot answer in time, instead of queueing it until its deadline passes.
 
-Three rules, checked in this order against the requests the model holds (its scheduler's `inflight_count`):
+Three rules, checked in this order against the requests the model holds (its scheduler's `inflight_count`, or the
+requests the service took for it and has not answered, `held`, whichever is more):
 
 - an adaptive concurrency limit, in the family of Netflix's gradient limits and Envoy's adaptive concurrency
   filter: every window the limit moves by the gradient between the model's uncontended latency (the least seen

@@ -160,9 +160,7 @@ class DynamicBatcher(AnswersLater):
         self._queue = PriorityQueue(settings.priority_levels, settings.default_priority_level, settings.policies)
         # Where a request with no priority and no timeout of its own goes (most requests): worked out once.
         self._default_level = self._queue.level_of(0)
-        default_policy = self._queue.policy(self._default_level)
-        self._default_timeout_us = default_policy.timeout_us(0)
-        self._default_deadline_us = 0 if default_policy.delay_on_timeout else self._default_timeout_us
+        self._default_timeout_us = self._queue.policy(self._default_level).timeout_us(0)
         loop = self._loop = asyncio.get_running_loop()  # kept: each lookup costs a getpid() system call
         self._arrived = _Wakeup(loop)
         # While the batcher waits out a batch's delay with `_wake_rows` rows still missing to its limit: the rows that
@@ -227,13 +225,19 @@ class DynamicBatcher(AnswersLater):
         return True
 
     def queue_timeout_us(self, request: InferenceRequest) -> int:
-        """The queue policy's timeout of `request` when it refuses (REJECT), which makes it the request's deadline
-        (service/deadlines.py); a DELAY policy's only moves it back in this queue. Triton's rule: a request may
-        shorten its level's default timeout when the policy allows it, never lengthen it."""
+        """The queue policy's timeout of `request` when it refuses (REJECT), which makes it the request's queue
+        deadline (service/deadlines.py); a DELAY policy's only moves it back in this queue."""
+        level, timeout_us = self._level_and_timeout(request)
+        return 0 if self._queue.policy(level).delay_on_timeout else timeout_us
+
+    def _level_and_timeout(self, request: InferenceRequest) -> tuple[int, int]:
+        """`request`'s priority level and queue timeout (µs, 0: none) by Triton's rule: a request may shorten its
+        level's default timeout when the policy allows it, never lengthen it. Worked out once for the common request
+        (no priority, no timeout of its own)."""
         if not (request.priority or request.timeout_us):
-            return self._default_deadline_us
-        policy = self._queue.policy(self._queue.level_of(request.priority))
-        return 0 if policy.delay_on_timeout else policy.timeout_us(request.timeout_us)
+            return self._default_level, self._default_timeout_us
+        level = self._queue.level_of(request.priority)
+        return level, self._queue.policy(level).timeout_us(request.timeout_us)
 
     def _pending(self, request: InferenceRequest, outcome: Outcome) -> tuple[Pending, int]:
         """The queue entry for `request` and its priority level; raises for a request this batcher cannot take."""
@@ -246,11 +250,7 @@ class DynamicBatcher(AnswersLater):
                 f"inference request batch-size must be <= {self._settings.max_batch_size} for '{self._name}'"
             )
         now = time.monotonic_ns()
-        if request.priority or request.timeout_us:
-            level = self._queue.level_of(request.priority)
-            timeout_us = self._queue.policy(level).timeout_us(request.timeout_us)
-        else:
-            level, timeout_us = self._default_level, self._default_timeout_us
+        level, timeout_us = self._level_and_timeout(request)
         pending = Pending(request, outcome, now, now + timeout_us * 1000 if timeout_us else 0, self._sequence,
                           _shape_key(request))
         return pending, level

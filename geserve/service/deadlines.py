@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.requests import expiry
@@ -31,14 +30,6 @@ Withdraw = Callable[[], None]
 # The deadline a gateway in front of the server gives an HTTP request (Envoy, Istio, hence KServe, set it): the
 # milliseconds the caller will wait for the answer.
 HTTP_DEADLINE_HEADER = b"x-envoy-expected-rq-timeout-ms"
-
-
-class QueueTimeouts(Protocol):
-    """A scheduler that decides what a request's `timeout` means for its model (a dynamic batcher's queue policy)."""
-
-    def queue_timeout_us(self, request: InferenceRequest) -> int:
-        """How long `request` may wait before it starts, µs from its arrival (0: no limit)."""
-        ...
 
 
 def http_deadline(raw: bytes | None, now: float) -> float | None:
@@ -55,7 +46,8 @@ def http_deadline(raw: bytes | None, now: float) -> float | None:
 
 def assign(request: InferenceRequest, call_deadline: float | None, scheduler: object, now: float) -> None:
     """Set `request`'s deadline (the call's or the one it was made with, the earlier) and its queue deadline (its
-    timeout as its scheduler reads it)."""
+    timeout as its scheduler reads it: a scheduler's `queue_timeout_us(request)` -> µs, 0 for none, where it has
+    one, else the `timeout` parameter itself)."""
     if call_deadline is not None:
         made_with = request.deadline
         request.deadline = call_deadline if made_with is None or call_deadline < made_with else made_with

@@ -310,7 +310,7 @@ class InferenceService:
             return outcome
         self.paths[_TASK] += 1
         self._enter(model)
-        if request.deadline is not None or request.queue_deadline is not None:
+        if deadlines.next_due(request) is not None:
             answer = Watched(answer, request)
         frontend = action == "infer" and context.transport is not _IN_PROCESS
         task = asyncio.get_running_loop().create_task(self._traced(model, request, context, started, frontend))
@@ -344,7 +344,7 @@ class InferenceService:
         self._prepare_once(model, request, context)
         deadlines.assign(request, context.deadline, model.scheduler, started / 1e9)
         admission = model.admission if context.transport is not _IN_PROCESS else None
-        if admission is not None or request.deadline is not None or request.queue_deadline is not None:
+        if admission is not None or deadlines.next_due(request) is not None:
             self._admit_now(model, request, admission, started)
         return model, started
 
@@ -387,8 +387,7 @@ class InferenceService:
         schedule = getattr(scheduler, "schedule", None)
         if schedule is None:
             return None
-        due = request.deadline is not None or request.queue_deadline is not None
-        watched = Watched(answer, request) if due else None
+        watched = Watched(answer, request) if deadlines.next_due(request) is not None else None
         done = partial(self._finished, model, request, started, watched or answer)
         try:
             pending = schedule(request, done)
