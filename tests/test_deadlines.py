@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from tests.support import models
 from tests.support.server import RunningServer, start_geserve, stop_geserve
+from tests.test_grpc_native import RawClient
 
 TENSORS = ('input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]\n'
            'output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]\n'
@@ -29,6 +31,7 @@ CONFIGS = {
 }
 DEADLINE_S = 0.15
 SLOW_S = 0.8
+INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +89,18 @@ def test_a_queued_request_past_its_deadline_is_answered_then_and_never_runs(serv
 
 
 def test_a_request_whose_deadline_passed_before_it_arrived_never_starts(server: RunningServer) -> None:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
+    """gRPC clients send a deadline under a second in whole milliseconds, rounded up (tritonclient's 1 µs
+    `client_timeout` arrives as grpc-timeout "1m", and the server may well answer within that millisecond), so a raw
+    HTTP/2 client sends one that has passed by the time anything reads it: 1 ns."""
+    request = pb.ModelInferRequest(model_name="slow_direct")
+    request.inputs.add(name="IN", datatype="FP32", shape=[1])
+    request.raw_input_contents.append(np.zeros(1, np.float32).tobytes())
     before = model_stats(server, "slow_direct")
-    with pytest.raises(InferenceServerException) as refused:
-        client.infer("slow_direct", inputs(0.0, False), client_timeout=0.000001)
-    assert refused.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    client = RawClient(int(server.grpc_url.rsplit(":", 1)[1]))
+    try:
+        answer = client.unary(INFER, request.SerializeToString(), (("grpc-timeout", "1n"),))
+    finally:
+        client.close()
+    assert answer.get(b"grpc-status") == b"4", answer  # DEADLINE_EXCEEDED
     time.sleep(0.1)
     assert model_stats(server, "slow_direct")["execution_count"] == before["execution_count"]
-    client.close()

@@ -266,12 +266,22 @@ class RawClient:
     def send(self) -> None:
         self.sock.sendall(self.conn.data_to_send())
 
-    def start_call(self, path: str = LIVE) -> int:
+    def start_call(self, path: str = LIVE, extra: tuple[tuple[str, str], ...] = ()) -> int:
         stream = self.conn.get_next_available_stream_id()
         self.conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
                                         (":authority", "localhost"), ("content-type", "application/grpc"),
-                                        ("te", "trailers")])
+                                        ("te", "trailers"), *extra])
         return stream
+
+    def unary(self, path: str, message: bytes, extra: tuple[tuple[str, str], ...] = ()) -> dict[bytes, bytes]:
+        """One unary call: its response headers and trailers together."""
+        stream = self.start_call(path, extra)
+        self.conn.send_data(stream, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
+        self.send()
+        events = self.events(until=h2.events.StreamEnded)
+        return {bytes(key): bytes(value) for event in events
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                for key, value in event.headers}
 
     def events(self, until: type, answer: bool = True, timeout: float = 5.0) -> list[Any]:
         """Events received until one of type `until` (or the connection closes, or `timeout`)."""
