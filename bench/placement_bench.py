@@ -4,7 +4,7 @@
    worker of a two-worker server, both serving the example repository: what "models in every worker" costs.
 2. The hop: a request handed to another process and answered (what "models once, in a model process" adds to every
    request), as CPU µs per round trip on both sides together, with geserve's own worker wire (pickled tensors over a
-   Unix socket, workers/wire.py) for an MLP request (256 float32 in, 10 out) and a ResNet-50 one (3x224x224 in,
+   Unix socket, ipc/peer.py) for an MLP request (256 float32 in, 10 out) and a ResNet-50 one (3x224x224 in,
    1000 out), next to the in-process compute of those models (MLP b=1 ~90 µs, ResNet-50 b=1 tens of ms here).
 
 Writes bench/results/placement.md. Usage: .venv/bin/python bench/placement_bench.py [--models m1,m2]
@@ -27,7 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from geserve.workers.wire import Peer  # noqa: E402
+from geserve.ipc.peer import Peer  # noqa: E402
 from tests.support.server import geserve  # noqa: E402
 
 REPOSITORY = ROOT / "examples" / "model_repository"

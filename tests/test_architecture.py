@@ -55,6 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "geserve.settings",
         "geserve.version",
         "geserve.metrics",
+        "geserve.ipc",  # calls between the server's processes (workers, a Python model's own process)
     ),
 )
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from geserve.errors import InternalError
+from geserve.ipc.peer import Peer
 from geserve.repository.model import LoadedModel
 from geserve.service.service import InferenceService
 from geserve.service.shared_cache import SharedResponseCache, SharedTable
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.workers.dispatch import HANDOFF_VARIABLE, Adopter, Receiver
-from geserve.workers.wire import Peer
 
 logger = logging.getLogger(__name__)
 

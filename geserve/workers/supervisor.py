@@ -40,6 +40,7 @@ from geserve.devices.nvml import GpuCollector, load_nvml
 from geserve.errors import GeserveError, InternalError
 from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.frontends.tls import TlsError, tls_files
+from geserve.ipc.peer import Peer, PeerGone
 from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
 from geserve.repository.poller import RepositoryPoller
@@ -50,7 +51,6 @@ from geserve.settings import ServerSettings
 from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors
 from geserve.workers.link import CACHE_VARIABLE, COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
-from geserve.workers.wire import Peer, PeerGone
 
 logger = logging.getLogger(__name__)
 
