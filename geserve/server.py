@@ -100,6 +100,7 @@ class Server:
             cluster=link,
             tracing=tracing,
             shortcuts=settings.inference_shortcuts,
+            openai_api=settings.openai_api,
         )
         registry.attach_host(self.service.host)
         http_tls, grpc_tls = _tls(settings)

@@ -72,6 +72,9 @@ class ServerSettings:
     """The request path's shortcuts (InferenceService.submit): a request run at once on the loop or queued with a
     callback instead of in a task, a remembered header's prepare step, HTTP's replayed request heads. Off: every
     inference takes every step, in a task; the answers are the same (tests compare them), only slower."""
+    openai_api: bool = True
+    """OpenAI's embeddings API on the HTTP port (`GET /v1/models`, `POST /v1/embeddings`), for the models whose
+    config has the `openai.embeddings` parameter; off: those routes answer 404."""
     overload_control: bool = False
     """Admission control for every model (a model's `overload_control` parameter overrides it): an adaptive
     concurrency limit, priorities shed lowest first, and requests that cannot be answered before their deadline

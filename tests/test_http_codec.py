@@ -234,13 +234,14 @@ def _fields(request: object) -> tuple:
 def test_a_repeated_header_decodes_each_body_as_a_fresh_decode_would() -> None:
     """Requests after the first with the same JSON header come from the known header: each the request a fresh parse
     gives, its data views of its own body, and dicts of its own (a change to one request's parameters, as the
-    service may make, is not seen by the next)."""
+    service may make, is not seen by the next), a client's timeout and priority included."""
     from geserve.frontends.http import codec
 
     codec._known_headers.clear()
     for seed in range(3):
         a, b = np.full(4, seed, np.float32), np.array([seed, -seed], np.int64)
-        body, length = _body({"id": "", **_REPEATED}, a.tobytes(), b.tobytes())  # perf_analyzer's empty id
+        header = {"id": "", "parameters": {"timeout": 5000, "priority": 1}, **_REPEATED}  # perf_analyzer's empty id
+        body, length = _body(header, a.tobytes(), b.tobytes())
         assert len(codec._known_headers) == min(seed, 1)
         request = decode_infer_request(body, length, "m", "2")
         known = dict(codec._known_headers)
@@ -250,8 +251,10 @@ def test_a_repeated_header_decodes_each_body_as_a_fresh_decode_would() -> None:
         assert np.shares_memory(request.inputs[0].data, np.frombuffer(body, np.uint8))
         assert request.inputs[0].data.tolist() == [[seed] * 4] and request.inputs[1].data.tolist() == [seed, -seed]
         assert request.inputs[1].parameters == {"x": 1} and request.outputs[0].parameters["classification"] == 2
+        assert request.parameters == {"timeout": 5000, "priority": 1}
         request.inputs[1].parameters["x"] = 99
         request.outputs[0].parameters["classification"] = 5
+        request.parameters["timeout"] = 1
 
 
 def test_a_known_header_with_a_body_of_another_size_is_decoded_and_refused_as_before() -> None:
@@ -268,11 +271,11 @@ def test_a_known_header_with_a_body_of_another_size_is_decoded_and_refused_as_be
     "header",
     [
         {**_REPEATED, "id": "r1"},
-        {**_REPEATED, "parameters": {"priority": 1}},
+        {**_REPEATED, "parameters": {"priority": 1, "sequence_id": 7}},
         {"inputs": [_REPEATED["inputs"][0], {"name": "b", "shape": [2], "datatype": "INT64", "data": [1, 2]}]},
         {"inputs": [{"name": "s", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}]},
     ],
-    ids=["id", "parameters", "json-data", "bytes"],
+    ids=["id", "sequence-parameters", "json-data", "bytes"],
 )
 def test_headers_whose_request_depends_on_more_than_the_header_are_not_kept(header: dict) -> None:
     from geserve.frontends.http import codec

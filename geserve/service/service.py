@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any, NoReturn, cast
@@ -34,7 +34,6 @@ from geserve.errors import (
 )
 from geserve.repository.lifecycle import ModelManager, group_index
 from geserve.repository.model import LoadedModel
-from geserve.scheduling.admission import Admission
 from geserve.scheduling.queue import Pending
 from geserve.scheduling.scheduler import Schedules
 from geserve.service import deadlines
@@ -341,12 +340,23 @@ class InferenceService:
         if model.decoupled and action == "infer":
             raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
         started = time.monotonic_ns()
-        self._prepare_once(model, request, context)
+        self._gate(model, request, context, started)
+        return model, started
+
+    def _gate(self, model: LoadedModel, request: InferenceRequest, context: CallContext, started: int) -> None:
+        """From a resolved model to a request it may start: its decoding fault and parameters, its deadlines,
+        admission control (before the checks of its tensors: a request shed under overload costs no validation),
+        prepare, then a deadline already passed (after the checks, as Triton's scheduler finds a timeout)."""
+        if request.fault is not None:
+            raise request.fault
+        apply_parameters(request, context.transport)
         deadlines.assign(request, context.deadline, model.scheduler, started / 1e9)
         admission = model.admission if context.transport is not _IN_PROCESS else None
-        if admission is not None or deadlines.next_due(request) is not None:
-            self._admit_now(model, request, admission, started)
-        return model, started
+        if admission is not None:
+            _counted(model, started, partial(admission.admit, request, model.scheduler.inflight_count))
+        self._prepare_once(model, request, context)
+        if deadlines.next_due(request) is not None:
+            _counted(model, started, partial(deadlines.check, request))
 
     def _prepare_once(self, model: LoadedModel, request: InferenceRequest, context: CallContext) -> None:
         """Prepare `request`, or apply what preparing the request of the same remembered header for this very model
@@ -359,18 +369,6 @@ class InferenceService:
         else:
             self._prepare(model, request, context)
             request.checked_by = model
-
-    @staticmethod
-    def _admit_now(model: LoadedModel, request: InferenceRequest, admission: Admission | None, started: int) -> None:
-        """Refuse, counted, a request past a deadline (it never starts) or that admission control sheds
-        (a call from outside: a model's own calls belong to requests already admitted)."""
-        try:
-            deadlines.check(request)
-            if admission is not None:
-                admission.admit(request, model.scheduler.inflight_count)
-        except GeserveError as exc:
-            _account(model, started, exc)
-            raise
 
     def _shortcut(
         self, model: LoadedModel, request: InferenceRequest, started: int, answer: Answer
@@ -491,10 +489,8 @@ class InferenceService:
         try:
             model = self._lookup(request)
             started = time.monotonic_ns()
-            self._prepare(model, request, context)
             # Its deadline is checked now and seen by the model (`request.deadline()`); a stream under way is not cut.
-            deadlines.assign(request, context.deadline, model.scheduler, started / 1e9)
-            self._admit_now(model, request, model.admission if context.transport is not _IN_PROCESS else None, started)
+            self._gate(model, request, context, started)
             responses = self._decoupled_responses(model, request, started)
             try:
                 async for item in responses:
@@ -540,11 +536,8 @@ class InferenceService:
             raise UnknownModelError(exc.message) from None
 
     def _prepare(self, model: LoadedModel, request: InferenceRequest, context: CallContext) -> None:
-        """Triton's order once the model is known: the frontend's decoding faults, the parameters, the output
+        """Triton's order once the model is known (after the decoding fault and the parameters, `_gate`): the output
         placements, then the core's checks, then the faults Triton's core finds after them."""
-        if request.fault is not None:
-            raise request.fault
-        apply_parameters(request, context.transport)
         if request.outputs is not None:
             for output in request.outputs:
                 if output.shm is not None:  # the region must hold the window now: Triton checks before inference
@@ -882,6 +875,15 @@ class ModelHost:
 
 def _cancel(task: asyncio.Task[InferenceResponse]) -> None:
     task.cancel()
+
+
+def _counted(model: LoadedModel, started: int, check: Callable[[], None]) -> None:
+    """Run `check`; a refusal it raises (a passed deadline, admission control's) is counted before it goes on."""
+    try:
+        check()
+    except GeserveError as exc:
+        _account(model, started, exc)
+        raise
 
 
 def _account(model: LoadedModel, started: int, error: BaseException | None = None) -> None:

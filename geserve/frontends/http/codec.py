@@ -184,10 +184,11 @@ class KnownHeader:
     binary data after it differs. Decoding is a pure function of the header's bytes and the body, so a request
     from a known header is the one a fresh decode would give: 2.4 µs where parsing and checking the header took
     5.6 (perf_analyzer's MLP request). Only headers whose request depends on nothing else are kept: every input
-    binary and fixed-size, no shared memory, no request id (but the empty one perf_analyzer sends) or parameters
-    (they usually change per request), and the header no longer than 4 KiB."""
+    binary and fixed-size, no shared memory, no request id (but the empty one perf_analyzer sends) or sequence
+    parameters (they change per request), and the header no longer than 4 KiB. A client's `timeout` or `priority`
+    is kept: it sends the same with every request (its parameters are copied per request, as the inputs' are)."""
 
-    __slots__ = ("_inputs", "_outputs", "data_size", "prepared")
+    __slots__ = ("_inputs", "_outputs", "_parameters", "data_size", "prepared")
 
     def __init__(self, request: InferenceRequest, data_size: int) -> None:
         self.data_size = data_size
@@ -200,10 +201,11 @@ class KnownHeader:
         )
         outputs = request.outputs
         self._outputs = None if outputs is None else tuple((o.name, dict(o.parameters)) for o in outputs)
+        self._parameters = dict(request.parameters)
 
     @staticmethod
     def holds(header: dict[str, Any], request: InferenceRequest) -> bool:
-        if header.get("id") or "parameters" in header:  # an empty id, as perf_analyzer sends, is no id
+        if header.get("id") or not _SEQUENCE_KEYS.isdisjoint(request.parameters):  # an empty id is no id
             return False
         if any(o.shm is not None for o in request.outputs or ()):
             return False
@@ -219,6 +221,8 @@ class KnownHeader:
             inputs.append(InputTensor(name, wire, shape, data, dict(parameters)))  # each request owns its dicts
             offset += size
         request = InferenceRequest(model_name, version, inputs, prepared=self.prepared)
+        if self._parameters:
+            request.parameters = dict(self._parameters)
         if self._outputs is not None:
             request.outputs = [RequestedOutput(name, dict(parameters)) for name, parameters in self._outputs]
         return request
@@ -243,6 +247,7 @@ def remember_prepared(header: bytes, request: InferenceRequest) -> None:
 _KNOWN_HEADERS = 256  # distinct headers kept (per process)
 _KNOWN_HEADER_SIZE = 4096  # longest header kept: what 256 of them may hold stays small whatever clients send
 _known_headers: dict[bytes, KnownHeader] = {}
+_SEQUENCE_KEYS = frozenset(("sequence_id", "sequence_start", "sequence_end"))
 
 
 def _decode_input(
