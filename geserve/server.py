@@ -101,6 +101,7 @@ class Server:
             tracing=tracing,
             shortcuts=settings.inference_shortcuts,
             openai_api=settings.openai_api,
+            openai_api=settings.openai_api,
         )
         registry.attach_host(self.service.host)
         http_tls, grpc_tls = _tls(settings)

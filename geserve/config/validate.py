@@ -5,6 +5,7 @@ from __future__ import annotations
 from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc.model_config_pb2 import ModelConfig, ModelInput, ModelOutput
 
+from geserve.config.embeddings import embeddings_spec
 from geserve.config.ensemble import is_ensemble, validate_ensemble_graph
 from geserve.config.sequence import fill_sequence_defaults, validate_sequence_batching
 from geserve.errors import InvalidArgumentError
@@ -65,6 +66,7 @@ def validate(config: ModelConfig, model_dir_name: str) -> None:
         raise InvalidArgumentError(f"version_policy.latest.num_versions must be >= 1 for {config.name}")
     validate_ensemble_graph(config)
     validate_sequence_batching(config)
+    embeddings_spec(config)  # the OpenAI embeddings parameter, when the model has it
 
 
 def _validate_instance_groups(config: ModelConfig) -> None:

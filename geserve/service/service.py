@@ -42,6 +42,7 @@ from geserve.service.classification import classify
 from geserve.service.cluster import Cluster
 from geserve.service.context import IN_PROCESS, ApiGroup, CallContext, CallPolicy, Transport
 from geserve.service.deadlines import Answer, Watched, Withdraw
+from geserve.service.embeddings import Embeddings
 from geserve.service.model_files import DEFAULT_MAX_FILE_BYTES, check_model_name, model_files
 from geserve.service.parameters import apply_parameters
 from geserve.service.raw_input import expand_raw_input
@@ -118,6 +119,7 @@ class InferenceService:
         response_cache: ResponseCache | None = None,
         cluster: Cluster | None = None,
         shortcuts: bool = True,
+        openai_api: bool = True,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -139,6 +141,8 @@ class InferenceService:
         self._inflight = 0  # inference calls under way, of every transport
         self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
         self.host = ModelHost(self)
+        # OpenAI's /v1/models and /v1/embeddings (--openai-api): their rules, each inference through `infer`.
+        self.embeddings = Embeddings(manager, self, openai_api)
         # Whether `submit` may run a request without a task (`_shortcut`), and how many it ran each way: the switch
         # (--inference-shortcuts) and the counts that show which path served (ge_inference_path_total).
         self.shortcuts = shortcuts

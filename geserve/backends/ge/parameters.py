@@ -132,6 +132,7 @@ _HANDLED_ELSEWHERE = {
     "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",
     "compile_keep_fp32",  # the compiler's
     "TF_SIGNATURE_DEF",  # Triton's tensorflow backend: the SavedModel signature the compiler converts
+    "openai.embeddings",  # the OpenAI embeddings API's (config/embeddings.py, service/embeddings.py)
 }
 
 
@@ -184,6 +185,8 @@ PARAMETER_DESCRIPTIONS = {
     "compile_target": "Compile on first load: --target (cpu, cuda, npu).",
     "compile_keep_fp32": "Compile on first load: --keep-fp32, node names or op types kept in FP32 (or @file).",
     "TF_SIGNATURE_DEF": "Triton tensorflow's name: the SavedModel signature converted on first load.",
+    "openai.embeddings": "Serve this model on OpenAI's /v1/embeddings: a JSON object naming its text input, vector "
+                         "output and tokenizer.json (guide: OpenAI embeddings).",
     "cudnn_conv_algo_search": "CUDA: cuDNN convolution algorithm search, 0 exhaustive, 1 heuristic, 2 default.",
     "gpu_mem_limit": "CUDA: the provider's memory arena limit, in bytes.",
     "arena_extend_strategy": "CUDA: 0 next power of two, 1 same as requested.",

@@ -40,6 +40,7 @@ from geserve.frontends.http.codec import (
     refuse_deep_json,
     remember_prepared,
 )
+from geserve.frontends.http.openai_api import embeddings_body, embeddings_call, model_body, models_body, openai_error
 from geserve.service.context import ApiGroup, CallContext, Transport
 from geserve.service.deadlines import HTTP_DEADLINE_HEADER, http_deadline
 from geserve.service.service import InferenceService
@@ -353,6 +354,29 @@ class HttpFrontend:
         ordered = {k: values[k] for k in _TRACE_KEYS if k in values}
         return _json({k: v if k == "trace_level" else "".join(v[:1]) for k, v in ordered.items()})
 
+    # OpenAI's embeddings API (openai_api.py): its own error shape, whatever fails
+    async def _openai_models(self, call: _Call) -> Response:
+        try:
+            return 200, models_body(self._service.embeddings.models(call.context)), JSON, []
+        except Exception as exc:
+            return openai_error(exc, "GET", call.path)
+
+    async def _openai_model(self, call: _Call) -> Response:
+        try:
+            return _json(model_body(self._service.embeddings.model(call.args[0], call.context)))
+        except Exception as exc:
+            return openai_error(exc, "GET", call.path)
+
+    async def _openai_embeddings(self, call: _Call) -> Response:
+        try:
+            request, encoding = embeddings_call(await self._read_body(call.source, call.headers))
+            result = await self._service.embeddings.create(request, call.context)
+            return 200, embeddings_body(result, encoding), JSON, []
+        except ClientDisconnected:
+            raise
+        except Exception as exc:
+            return openai_error(exc, "POST", call.path)
+
     async def _model_metadata(self, call: _Call) -> Response:
         return _json(self._service.model_metadata(*_model(call), call.context))
 
@@ -517,6 +541,9 @@ _ROUTES: list[tuple[str, str, Handler, bytes]] = [
     ("POST", "/v2/logging", HttpFrontend._set_log_settings, JSON),
     ("GET", "/v2/trace/setting", HttpFrontend._get_trace_setting, JSON),
     ("POST", "/v2/trace/setting", HttpFrontend._set_trace_setting, JSON),
+    ("GET", "/v1/models", HttpFrontend._openai_models, JSON),
+    ("GET", "/v1/models/{name}", HttpFrontend._openai_model, JSON),
+    ("POST", "/v1/embeddings", HttpFrontend._openai_embeddings, JSON),
 ]
 _ROUTER = _Router(_ROUTES)
 
