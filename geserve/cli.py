@@ -138,6 +138,11 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "histogram_latencies")
     add("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     add("--repository-poll-secs", type=float, default=15.0, help="poll mode: seconds between repository scans")
+    add("--load-on-demand", type=_bool, nargs="?", const=True, default=False,
+        help="explicit and poll modes: a request for a model in a repository that is not loaded loads it first")
+    add("--model-memory-budget", default="", metavar="SIZE",
+        help="explicit and poll modes: most memory the loaded models may cost together (800MiB, 4GiB; all workers "
+             "together); the least recently used idle models are unloaded to make room")
     add("--model-load-max-file-bytes", type=int, default=1 << 30,
         help="most bytes the model files of one load request may hold together, decoded (default 1 GiB)")
     add("--workers", type=int, default=0,

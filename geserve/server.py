@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from geserve import devices
 from geserve.arrivals import ARRIVALS
@@ -27,6 +28,9 @@ from geserve.metrics import CustomMetricStore, MetricsConfig, render
 from geserve.metrics.collector import SERVER_FAMILY_NAMES, build_registry
 from geserve.metrics.latency import LatencyRecorder
 from geserve.metrics.system import CpuSampler
+from geserve.repository import memory
+from geserve.repository.budget import BudgetedFollower, ModelLoads, parse_size, start_models
+from geserve.repository.holder import LocalHolder
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
@@ -60,6 +64,9 @@ class Server:
         self, settings: ServerSettings, policies: Sequence[CallPolicy] = (), link: WorkerLink | None = None
     ) -> None:
         _check_control(settings)
+        budget = _memory_budget(settings)
+        if budget is not None:
+            memory.one_heap()  # before the threads: what a load adds is then measured as it is (repository/memory.py)
         self.settings = settings
         self.link = link
         if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
@@ -80,9 +87,13 @@ class Server:
                 _latency_observer_factory(settings, metrics_config),
                 response_cache=self.response_cache is not None,
                 overload_control=settings.overload_control,
+                measure_memory=budget is not None,
             ),
         )
-        self.poller = _poller(settings, self.store, self.manager, link)
+        # The decider of loads and unloads with a memory budget or load on demand (repository/budget.py): this
+        # process's own; with workers the supervisor decides for all of them.
+        self.loads = _model_loads(settings, budget, self.manager) if link is None else None
+        self.poller = _poller(settings, self.store, self.manager, link, self.loads)
         security = _security(settings)
         tracing = _tracing(settings, link)
         # One shared memory registry and one set of log / trace settings behind every protocol.
@@ -101,7 +112,8 @@ class Server:
             tracing=tracing,
             shortcuts=settings.inference_shortcuts,
             openai_api=settings.openai_api,
-            openai_api=settings.openai_api,
+            load_on_demand=settings.load_on_demand,
+            loads=self.loads,
         )
         registry.attach_host(self.service.host)
         http_tls, grpc_tls = _tls(settings)
@@ -111,7 +123,7 @@ class Server:
         if settings.allow_metrics and link is None:
             self.frontends.append(
                 _metrics_service(settings, metrics_config, self.manager, self.custom_metrics, http_tls,
-                                 self.service.paths)
+                                 self.service.paths, self.loads)
             )
         # A worker's metrics, without the CPU's (the supervisor samples those once for the server).
         self._worker_registry = (
@@ -182,20 +194,26 @@ class Server:
             available = self.store.scan()
         except InvalidArgumentError as exc:
             raise StartupError(exc.message) from None
-        if self.settings.model_control_mode in ("none", "poll") or "*" in self.settings.load_models:
-            names = list(available)
-        else:
-            names = list(dict.fromkeys(self.settings.load_models))
-            unknown = [n for n in names if n not in available]
-            if unknown:
-                raise StartupError(f"--load-model names models not in any repository: {', '.join(unknown)}")
-        results = await asyncio.gather(*(self.manager.load(n) for n in names), return_exceptions=True)
+        try:
+            names = start_models(self.settings, available)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if self.link is not None and self.settings.model_memory_budget:
+            names = []  # the supervisor loads them once every worker has joined, measured and within the budget
+        results = await asyncio.gather(*(self._load(n) for n in names), return_exceptions=True)
         failures = [f"{n}: {r.message}" for n, r in zip(names, results, strict=True) if isinstance(r, GeserveError)]
         unexpected = [r for r in results if isinstance(r, BaseException) and not isinstance(r, GeserveError)]
         if unexpected:
             raise unexpected[0]
         if failures and self.settings.exit_on_error:
             raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
+
+    async def _load(self, name: str) -> None:
+        """A model the server loads at start: within the budget (one at a time) when there is one."""
+        if self.loads is None:
+            await self.manager.load(name)
+        else:
+            await self.loads.load(name, partial(self.manager.load, name))
 
     async def start(self) -> None:
         self.service.loop = asyncio.get_running_loop()
@@ -204,7 +222,7 @@ class Server:
             if self.link is not None:  # the server's control state (loads, unloads, regions) before serving
                 registry = self._worker_registry
                 await self.link.join(self.service, lambda: render(registry) if registry is not None else b"",
-                                     self.manager.models)
+                                     self.manager.models, LocalHolder(self.manager))
             for frontend in self.frontends:
                 await frontend.start()
                 self._started.append(frontend)
@@ -320,13 +338,30 @@ def _left(deadline: float, minimum: float = 0.0) -> float:
 
 
 def _poller(
-    settings: ServerSettings, store: ModelStore, manager: ModelManager, link: WorkerLink | None
+    settings: ServerSettings, store: ModelStore, manager: ModelManager, link: WorkerLink | None,
+    loads: ModelLoads | None,
 ) -> RepositoryPoller | None:
     """Poll mode's scans, in one process; with workers the supervisor scans and tells every worker what changed
-    (workers/supervisor.py)."""
+    (workers/supervisor.py). What changed loads through the budget when there is one."""
     if settings.model_control_mode != "poll" or link is not None:
         return None
-    return RepositoryPoller(store, manager, settings.repository_poll_secs)
+    follower = manager if loads is None else BudgetedFollower(loads, manager, settings.load_on_demand)
+    return RepositoryPoller(store, follower, settings.repository_poll_secs)
+
+
+def _memory_budget(settings: ServerSettings) -> int | None:
+    """--model-memory-budget in bytes, None without one."""
+    try:
+        return parse_size(settings.model_memory_budget) if settings.model_memory_budget else None
+    except ValueError as exc:
+        raise StartupError(f"--model-memory-budget: {exc}") from None
+
+
+def _model_loads(settings: ServerSettings, budget: int | None, manager: ModelManager) -> ModelLoads | None:
+    """One process's decider of loads, with a memory budget or load on demand; None with neither."""
+    if budget is None and not settings.load_on_demand:
+        return None
+    return ModelLoads(LocalHolder(manager), budget)
 
 
 def _check_control(settings: ServerSettings) -> None:
@@ -337,6 +372,9 @@ def _check_control(settings: ServerSettings) -> None:
         )
     if not settings.model_repositories:
         raise StartupError("at least one --model-repository is required")
+    if settings.model_control_mode == "none" and (settings.load_on_demand or settings.model_memory_budget):
+        raise StartupError("--load-on-demand and --model-memory-budget need --model-control-mode explicit or poll "
+                           "(models load and unload while the server runs)")
 
 
 # Each part the settings configure, built now so a bad setting stops the start with its own message.
@@ -395,7 +433,7 @@ def _latency_observer_factory(settings: ServerSettings, config: MetricsConfig) -
 
 def _metrics_service(
     settings: ServerSettings, config: MetricsConfig, manager: ModelManager, custom: CustomMetricStore,
-    tls: TlsFiles | None = None, paths: dict[str, int] | None = None,
+    tls: TlsFiles | None = None, paths: dict[str, int] | None = None, loads: ModelLoads | None = None,
 ) -> MetricsService:
     cpu = CpuSampler() if settings.allow_cpu_metrics else None
     if cpu is not None and not cpu.available:
@@ -403,7 +441,7 @@ def _metrics_service(
         cpu = None
     address = settings.metrics_address or (settings.http_address if settings.allow_http else "0.0.0.0")
     options = MetricsOptions(address, settings.metrics_port, settings.metrics_interval_ms, tls)  # HTTP's TLS
-    registry = build_registry(manager, config, cpu, custom, paths)
+    registry = build_registry(manager, config, cpu, custom, paths, loads)
     if settings.allow_gpu_metrics:
         nvml = load_nvml()  # None without nvidia-ml-py or a driver: then there are no GPU families, as in Triton
         if nvml is not None:

@@ -48,6 +48,13 @@ class ServerSettings:
     poll: load every model at start and follow the repositories every --repository-poll-secs, refuse both."""
     repository_poll_secs: float = 15.0
     """poll mode: seconds between two scans of the repositories (Triton's default 15)."""
+    load_on_demand: bool = False
+    """explicit and poll modes: a request for a model that is in a repository but not loaded loads it, then is served
+    (it waits for the load, within its deadline; the wait is its queue time). In poll mode no model loads at start."""
+    model_memory_budget: str = ""
+    """explicit and poll modes: the most memory the loaded models may cost together (800MiB, 4GiB), all workers
+    together. Each version is charged what its load added to the processes' PSS; the least recently used models with
+    no request under way are unloaded to make room (docs/guide/memory-budget.md). Empty: no budget."""
     load_models: list[str] = field(default_factory=list)
     strict_readiness: bool = True
     """As Triton: /v2/health/ready is true only while every model is ready."""

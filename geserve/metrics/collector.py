@@ -8,6 +8,7 @@ Python models create (`custom.CustomMetricStore`), after all of these.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from geserve.metrics.custom import CustomMetricStore
 from geserve.metrics.exposition import format_value
 from geserve.metrics.latency import SUMMARY_FAMILIES, LatencyRecorder
 from geserve.metrics.system import CpuSampler, cpu_families
+from geserve.repository.budget import LOAD_BOUNDS_S, LoadHistogram, ModelLoads
 from geserve.repository.model import LoadedModel, ModelState
 from geserve.statistics import FAILURE_REASONS, QUEUE_BOUNDS_S
 
@@ -71,13 +73,16 @@ _OPTIONAL_COUNTERS = (
     ("padding_rows", "ge_batch_padding_rows_total", "Rows of padding added to fill batch gears"),
     ("allocation_failures", "ge_memory_pool_allocation_failures_total", "Failed memory-pool allocations"),
 )
+# The memory budget's and load on demand's families (BudgetCollector).
+BUDGET_FAMILY_NAMES = ("ge_memory_budget_bytes", "ge_model_memory_bytes", "ge_model_evictions_total",
+                       "ge_model_load_on_demand_total", "ge_model_load_duration_seconds")
 # Every family this collector may write: custom families cannot take these names.
 SERVER_FAMILY_NAMES = frozenset({
     "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_pending_request_count",
     "nv_model_load_duration_secs", "nv_inference_first_response_histogram_ms", "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes", "ge_batch_size", "ge_model_instances", "ge_model_state",
     "ge_inference_path_total", "ge_inference_queue_duration_seconds", "ge_overload_concurrency_limit",
-    "ge_overload_shed_total",
+    "ge_overload_shed_total", *BUDGET_FAMILY_NAMES,
     *(name for name, _, _ in _COUNTS), *(name for name, _, _ in _DURATIONS), *(name for name, _ in _SUMMARIES.values()),
     *(name for _, name, _ in _OPTIONAL_COUNTERS), *(name for name, _, _, _ in _CACHE_COUNTERS),
 })
@@ -281,16 +286,61 @@ class PathCollector:
         yield family
 
 
+class BudgetCollector:
+    """The memory budget (`--model-memory-budget`) and load on demand, as the server's decider of loads sees them
+    (repository/budget.py): in one process its own, with workers the supervisor's (reported once for the server)."""
+
+    def __init__(self, loads: ModelLoads) -> None:
+        self._loads = loads
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._loads.snapshot()
+        if snapshot.limit is not None:
+            budget = _family("ge_memory_budget_bytes", "The memory budget of the loaded models (--model-memory-budget)",
+                             "gauge")
+            budget.add_sample(budget.name, {}, snapshot.limit)
+            yield budget
+        charged = _family("ge_model_memory_bytes", "Memory each loaded model version costs, measured at its load (PSS "
+                          "added, all workers together)", "gauge")
+        for name, versions in sorted(snapshot.charges.items()):
+            for version, size in sorted(versions.items()):
+                charged.add_sample(charged.name, {"model": name, "version": str(version)}, size)
+        yield charged
+        for family, documentation, counts in (
+            ("ge_model_evictions_total", "Models unloaded to make room under the memory budget", snapshot.evictions),
+            ("ge_model_load_on_demand_total", "Models loaded because a request needed them", snapshot.on_demand),
+        ):
+            counter = _family(family, documentation, "counter")
+            for name, count in sorted(counts.items()):
+                counter.add_sample(family, {"model": name}, count)
+            yield counter
+        yield _load_histogram(snapshot.loads)
+
+
+def _load_histogram(loads: LoadHistogram) -> Metric:
+    family = _family("ge_model_load_duration_seconds", "Time loads under the budget or on demand took, eviction "
+                     "included, by what asked for them (a request, or a load request, the start, a poll)", "histogram")
+    for trigger, counts in sorted(loads.buckets.items()):
+        for bound, count in zip([*LOAD_BOUNDS_S, float("inf")], itertools.accumulate(counts), strict=True):
+            family.add_sample(family.name + "_bucket", {"trigger": trigger, "le": format_value(bound)}, count)
+        family.add_sample(family.name + "_sum", {"trigger": trigger}, loads.sums.get(trigger, 0.0))
+        family.add_sample(family.name + "_count", {"trigger": trigger}, sum(counts))
+    return family
+
+
 def build_registry(
     manager: ModelManager, config: MetricsConfig, cpu: CpuSampler | None = None,
     custom: CustomMetricStore | None = None, paths: Mapping[str, int] | None = None,
+    loads: ModelLoads | None = None,
 ) -> CollectorRegistry:
-    """The server's one registry (never prometheus_client's global one): the inference collector, then the
-    custom families of Python models."""
+    """The server's one registry (never prometheus_client's global one): the inference collector, the budget's
+    (`loads`: the decider of loads, when this process has one), then the custom families of Python models."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(InferenceCollector(manager, config, cpu))
     if paths is not None:
         registry.register(PathCollector(paths))
+    if loads is not None:
+        registry.register(BudgetCollector(loads))
     if custom is not None:
         registry.register(custom)
     return registry

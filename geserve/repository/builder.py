@@ -45,6 +45,8 @@ class LifecycleOptions:
     response_cache: bool = False
     # --overload-control: models admission-controlled unless their `overload_control` parameter says otherwise.
     overload_control: bool = False
+    # --model-memory-budget: each version's load is measured (repository/memory.py).
+    measure_memory: bool = False
 
     def new_statistics(self) -> ModelStatistics:
         factory = self.latency_observer_factory

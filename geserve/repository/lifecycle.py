@@ -26,6 +26,7 @@ from geserve.backends.registry import BackendRegistry
 from geserve.config import ModelConfig
 from geserve.config.ensemble import is_ensemble, step_model_names, validate_ensemble_steps
 from geserve.errors import GeserveError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
+from geserve.repository import memory
 from geserve.repository.builder import LifecycleOptions, ModelBuilder, PreparedModel
 from geserve.repository.dependencies import DependencyGraph, LoadPlan
 from geserve.repository.model import LoadedModel, ModelState
@@ -44,7 +45,7 @@ class ModelManager:
     def __init__(self, store: ModelStore, registry: BackendRegistry, options: LifecycleOptions) -> None:
         self._store = store
         self._builder = ModelBuilder(registry, options)
-        self._versions = VersionLifecycle(self._builder)
+        self._versions = VersionLifecycle(self._builder, options.measure_memory)
         self._graph = DependencyGraph()
         self._records: dict[str, ModelRecord] = {}
         # model -> one event per load of it under way: a load that needs the model waits for them instead of
@@ -86,8 +87,10 @@ class ModelManager:
             names.update(self._store.scan())
         return sorted(names)
 
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        entries: list[dict[str, str]] = []
+    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """One entry per model version (name, version, state, reason), as Triton's repository index; a version that
+        serves under a memory budget also says what it costs (`memory`, bytes: repository/memory.py)."""
+        entries: list[dict[str, Any]] = []
         for name in self.known_names():
             record = self._records.get(name)
             if record is not None and record.versions:
@@ -153,11 +156,90 @@ class ModelManager:
             raise error
 
     async def unload(self, name: str) -> None:
+        """Unload `name` (and the ensembles that run on it), then give the memory it held back to the system."""
         self._store.set_override(name, None)  # the files of a load request serve until the model is unloaded
         try:
             await self._unload(name)
         finally:
             self._release_unused(name)
+        await memory.give_back()
+
+    # ---- what the memory budget asks (repository/budget.py decides, repository/holder.py answers) -----------
+
+    def folder(self, name: str) -> Path | None:
+        """Where a load of `name` would read its files (a repository's folder, or a load request's); None: nowhere."""
+        return self._store.find(name)
+
+    def loads_from_request(self, name: str) -> bool:
+        """`name` serves from the files a load request gave (Triton's model file override)."""
+        return self._store.override(name) is not None
+
+    async def ensure(self, name: str) -> None:
+        """Load `name` unless a version of it serves (a request needs it: load on demand)."""
+        if not self._is_up(name):
+            await self.load(name)
+
+    def busy(self, name: str) -> bool:
+        """A request of `name`, or of a serving ensemble that runs on it, is under way (queued or executing): unloading
+        it now would unload a model under a request."""
+        serving = {n for n, r in self._records.items() if r.latest is not None}
+        return any(self._has_requests(m) for m in (name, *self._graph.unload_order(name, serving)))
+
+    def _has_requests(self, name: str) -> bool:
+        record = self._records.get(name)
+        if record is None:
+            return False
+        return any(m.users or m.scheduler.inflight_count for m in record.serving())
+
+    def hold(self, names: Iterable[str]) -> None:
+        """No new request reaches `names` (nor the ensembles that run on them) from now on: their versions leave the
+        infer path's lookups as UNLOADING, until released or unloaded."""
+        for name in self._with_dependents(names):
+            record = self._records[name]
+            for status in record.versions.values():
+                if status.state is ModelState.READY:
+                    status.state = ModelState.UNLOADING
+            record.refresh_latest()
+
+    def release(self, names: Iterable[str]) -> None:
+        """Held models serve again."""
+        for name in self._with_dependents(names):
+            record = self._records[name]
+            for status in record.versions.values():
+                if status.state is ModelState.UNLOADING and status.model is not None:
+                    status.state = ModelState.READY
+            record.refresh_latest()
+
+    def _with_dependents(self, names: Iterable[str]) -> list[str]:
+        serving = {n for n, r in self._records.items() if r.serving()}
+        found = dict.fromkeys(n for n in names if n in self._records)
+        for name in list(found):
+            found.update(dict.fromkeys(self._graph.unload_order(name, serving)))
+        return list(found)
+
+    def take_measured(self) -> dict[str, dict[int, int]]:
+        """The charges of the versions built since the last call (with LifecycleOptions.measure_memory)."""
+        measured, self._versions.measured = self._versions.measured, {}
+        return measured
+
+    async def runs_on(self, name: str) -> set[str]:
+        """`name` and every model its ensembles' steps run on, directly or not, as the configs on disk say."""
+        if not self._settled(name):
+            model_dir = self._store.find(name)
+            if model_dir is not None:
+                self._graph.set_composing(name, await asyncio.to_thread(self._builder.composing_names, model_dir))
+        await self._discover(name)
+        found, pending = {name}, [name]
+        while pending:
+            for composing in self._graph.composing(pending.pop()):
+                if composing not in found:
+                    found.add(composing)
+                    pending.append(composing)
+        return found
+
+    def is_up(self, name: str) -> bool:
+        """A version of `name` serves."""
+        return self._is_up(name)
 
     async def _unload(self, name: str) -> None:
         record = self._records.get(name)
@@ -455,7 +537,7 @@ def _next_batch(ensemble: str, plan: LoadPlan, tried: set[str]) -> list[str]:
     return batch
 
 
-def group_index(entries: list[dict[str, str]]) -> list[dict[str, Any]]:
+def group_index(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Index entries (one per model version) as one entry per model: name, state (READY when a version is, else the
     first version's), and its versions with their states and reasons."""
     models: dict[str, dict[str, Any]] = {}
@@ -470,13 +552,15 @@ def group_index(entries: list[dict[str, str]]) -> list[dict[str, Any]]:
     return list(models.values())
 
 
-def _version_entries(name: str, record: ModelRecord, ready_only: bool) -> list[dict[str, str]]:
-    entries: list[dict[str, str]] = []
+def _version_entries(name: str, record: ModelRecord, ready_only: bool) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = []
     for version, status in sorted(record.versions.items()):
         if ready_only and status.state is not ModelState.READY:
             continue
-        entry = {"name": name, "version": str(version), "state": status.state.value}
+        entry: dict[str, Any] = {"name": name, "version": str(version), "state": status.state.value}
         if status.reason:
             entry["reason"] = status.reason
+        if status.model is not None and status.model.memory:
+            entry["memory"] = status.model.memory
         entries.append(entry)
     return entries

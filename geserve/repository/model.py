@@ -58,6 +58,11 @@ class LoadedModel:
     # Admission control (scheduling/admission.py) when overload control is on for this model, else None: all a
     # request then pays is this attribute test.
     admission: Admission | None = None
+    # Requests of this version under way, from the service's submit to their answer (the service counts them): the
+    # memory budget never unloads a model with any (repository/budget.py).
+    users: int = 0
+    # Bytes this version costs the server, measured at load with a memory budget (repository/memory.py); 0 unmeasured.
+    memory: int = 0
 
     @property
     def max_batch_size(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from geserve.config import ModelConfig
 from geserve.errors import GeserveError
+from geserve.repository import memory
 from geserve.repository.builder import ModelBuilder, PreparedModel
 from geserve.repository.model import LoadedModel, ModelState, VersionStatus
 
@@ -39,10 +40,14 @@ class ModelRecord:
 
 
 class VersionLifecycle:
-    """Puts one model's versions in and out of service, under its lock; it never loads another model."""
+    """Puts one model's versions in and out of service, under its lock; it never loads another model. With `measure`,
+    each version is charged what its build added to this process's memory (repository/memory.py), and the charges
+    wait in `measured` for whoever decides on them (repository/budget.py)."""
 
-    def __init__(self, builder: ModelBuilder) -> None:
+    def __init__(self, builder: ModelBuilder, measure: bool = False) -> None:
         self._builder = builder
+        self._measure = measure
+        self.measured: dict[str, dict[int, int]] = {}  # model -> version -> bytes, since last taken
 
     async def load(
         self, record: ModelRecord, prepared: PreparedModel, steps: Mapping[str, ModelConfig], started: float
@@ -92,8 +97,12 @@ class VersionLifecycle:
             record.refresh_latest()
 
     async def _build(self, prepared: PreparedModel, version: int, steps: Mapping[str, ModelConfig]) -> VersionStatus:
+        before = await memory.settled_pss() if self._measure else 0
         try:
             model = await self._builder.build(prepared, version, steps)
+            if self._measure:
+                model.memory = max(await memory.settled_pss() - before, 0)
+                self.measured.setdefault(model.name, {})[version] = model.memory
         except GeserveError as exc:
             logger.error("model '%s' version %d is unavailable: %s", prepared.config.name, version, exc.message)
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)

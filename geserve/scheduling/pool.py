@@ -229,9 +229,12 @@ class InstancePool:
         compute = execution.compute
         rows = sum(r.batch_size for r in requests) - padding_rows
         count = len(requests) - (1 if padding_rows else 0) - null_requests
+        # A request's queue time counts its wait for its model's load on demand (`waited_ns`) too. Not strict: a
+        # sequence batch's null requests were never queued.
+        queued_ns = [started - t + r.waited_ns for t, r in zip(enqueued_ns, requests, strict=False)]
         self._statistics.record_execution(
-            count, rows - null_requests, [started - t for t in enqueued_ns], compute.input_ns, compute.infer_ns,
-            compute.output_ns, batch_size=rows,
+            count, rows - null_requests, queued_ns, compute.input_ns, compute.infer_ns, compute.output_ns,
+            batch_size=rows,
         )
         for request in requests:
             if request.compute is not None:

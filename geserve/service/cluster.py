@@ -1,6 +1,6 @@
 """What the service of one worker needs from the other workers of the same server (`--workers N`; geserve/workers
-implements it): control calls every worker runs, statistics from all, readiness of all, and the sequence held by
-another worker."""
+implements it): control calls every worker runs, statistics from all, readiness of all, the sequence held by
+another worker, and loads on demand, which the supervisor decides for all."""
 
 from __future__ import annotations
 
@@ -25,3 +25,7 @@ class Cluster(Protocol):
     async def forward_sequence(self, request: InferenceRequest) -> InferenceResponse | None:
         """Run a request of a sequence this worker does not hold on the worker that holds it (its START came in on
         another connection); None when no worker holds it."""
+
+    async def demand(self, name: str) -> None:
+        """A request needs `name`, which this worker does not serve: have it loaded on every worker (load on
+        demand), the supervisor deciding for the server under its memory budget."""

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+from geserve.errors import DeadlineExceededError
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.requests import expiry
 
@@ -54,6 +55,20 @@ def assign(request: InferenceRequest, call_deadline: float | None, scheduler: ob
     rule = getattr(scheduler, "queue_timeout_us", None)
     timeout_us = request.timeout_us if rule is None else rule(request)
     request.queue_deadline = now + timeout_us / 1e6 if timeout_us else None
+
+
+async def within(wait: Awaitable[None], request: InferenceRequest, call_deadline: float | None) -> None:
+    """Await `wait` (its model's load on demand) until the request's deadline at most (the call's or the one it was
+    made with): DeadlineExceededError if the deadline comes first. That wait is the request's queue time: its queue
+    deadline, counted from its arrival (`assign`), is checked once it has its model."""
+    due = min((d for d in (call_deadline, request.deadline) if d is not None), default=None)
+    if due is None:
+        await wait
+        return
+    try:
+        await asyncio.wait_for(wait, max(due - time.monotonic(), 0.0))
+    except asyncio.TimeoutError:  # not the builtin before 3.11
+        raise DeadlineExceededError() from None
 
 
 def check(request: InferenceRequest) -> None:

@@ -32,6 +32,7 @@ from geserve.errors import (
     UnknownSequenceError,
     UnsupportedError,
 )
+from geserve.repository.budget import ModelLoads, pin_parameter
 from geserve.repository.lifecycle import ModelManager, group_index
 from geserve.repository.model import LoadedModel
 from geserve.scheduling.queue import Pending
@@ -90,6 +91,8 @@ EXTENSIONS = [
 _INLINE, _QUEUED, _TASK = "inline", "queued", "task"
 # What a request whose caller went away is counted as (the failure reason CANCELED); the caller never sees it.
 _CANCELLED = CancelledError("the request was cancelled: its client went away")
+# How often a request waits for its model's load on demand: another load may evict it before the request reaches it.
+_DEMAND_ATTEMPTS = 3
 # How long before its deadline a caller's cancel is still its deadline (`_gone`): the client's clock ran out first.
 _CALLER_DEADLINE_LEAD_S = 0.02
 # How Triton refuses a decoupled model on a call that can carry one response only.
@@ -120,6 +123,8 @@ class InferenceService:
         cluster: Cluster | None = None,
         shortcuts: bool = True,
         openai_api: bool = True,
+        load_on_demand: bool = False,
+        loads: ModelLoads | None = None,
     ) -> None:
         self._manager = manager
         self._explicit = explicit_control
@@ -137,6 +142,11 @@ class InferenceService:
         # The other workers of this server (--workers N), None in a single process: control calls then run on
         # every worker, statistics add up theirs, and readiness waits for all of them.
         self.cluster = cluster
+        # --load-on-demand: a request for a model in a repository that is not loaded loads it. `loads`: this process's
+        # decider of loads and unloads (repository/budget.py) with a memory budget or load on demand; None with
+        # workers (the supervisor decides for all) and without either.
+        self.load_on_demand = load_on_demand
+        self.loads = loads
         self.accepting = True
         self._inflight = 0  # inference calls under way, of every transport
         self._idle: asyncio.Event | None = None  # set when the last one ends, once someone waits for that
@@ -159,14 +169,30 @@ class InferenceService:
         if not self.accepting and group in _REFUSED_WHILE_DRAINING and context.transport is not _IN_PROCESS:
             self._refuse(UnavailableError(SHUTTING_DOWN), group, action, model, context, region)
 
-    def admit_ahead(self, group: ApiGroup, context: CallContext, action: str = "", model: str = "") -> None:
+    def admit_ahead(
+        self, group: ApiGroup, context: CallContext, action: str = "", model: str = "", version: str = ""
+    ) -> None:
         """`admit`, for a frontend that admits a call before it reads or decodes the call's body (inference: a body
-        from a caller who may not infer is never decoded). The context records it, and the service's own admission
-        of that call then passes: each call is admitted once. A context is one call's; the shared in-process one is
-        never marked."""
+        from a caller who may not infer is never decoded, nor one that the model's admission control sheds by the
+        rules no body changes). The context records it, and the service's own admission of that call then passes:
+        each call is admitted once. A context is one call's; the shared in-process one is never marked."""
         self.admit(group, context, action, model)
         if context is not IN_PROCESS:
             context.admitted = group
+            if group is _INFERENCE and model:
+                self._shed_ahead(model, version, context)
+
+    def _shed_ahead(self, name: str, version: str, context: CallContext) -> None:
+        """Admission control ahead of decoding (`Admission.admit_ahead`): a refusal counted as any other. A model
+        not found is left to the resolve step, which says why."""
+        try:
+            loaded = self._manager.get(name, version)
+        except GeserveError:
+            return
+        admission = loaded.admission
+        if admission is not None:
+            started = time.monotonic_ns()
+            _counted(loaded, started, partial(admission.admit_ahead, context.deadline, loaded.scheduler.inflight_count))
 
     def authorize(
         self, group: ApiGroup, context: CallContext, action: str = "", model: str = "", region: str = ""
@@ -219,15 +245,20 @@ class InferenceService:
 
     def _enter(self, model: LoadedModel | None = None) -> None:
         """An inference call starts; of `model`, whose admission control then counts it held until `_leave`: counted
-        before `submit` returns, so requests read in the same loop turn are admitted against each other."""
+        before `submit` returns, so requests read in the same loop turn are admitted against each other. The model
+        counts it among its users meanwhile: the memory budget never unloads a model with any."""
         self._inflight += 1
-        if model is not None and model.admission is not None:
-            model.admission.held += 1
+        if model is not None:
+            model.users += 1
+            if model.admission is not None:
+                model.admission.held += 1
 
     def _leave(self, model: LoadedModel | None = None) -> None:
         self._inflight -= 1
-        if model is not None and model.admission is not None:
-            model.admission.held -= 1
+        if model is not None:
+            model.users -= 1
+            if model.admission is not None:
+                model.admission.held -= 1
         if not self._inflight and self._idle is not None:
             self._idle.set()
 
@@ -306,8 +337,20 @@ class InferenceService:
         The steps, in order: admit, resolve the model, prepare (skipped for a request its frontend made from a
         remembered header of this very model: `request.prepared`), deadlines and admission control, run, account,
         place outputs.
-        How it runs is the run step's choice (`_shortcut`, then a task); no frontend chooses it."""
-        model, started = self._checked(request, context, action)
+        How it runs is the run step's choice (`_shortcut`, then a task); no frontend chooses it. A model that is not
+        loaded, with load on demand, is loaded first: the resolve step waits for it (`_after_loading`)."""
+        self._admit_inference(request, context, action)
+        model = self._resolve(request)
+        if model is None:
+            return self._after_loading(request, context, answer, action)
+        return self._submit(model, request, context, answer, action)
+
+    def _submit(
+        self, model: LoadedModel, request: InferenceRequest, context: CallContext, answer: Answer, action: str,
+        arrived: int = 0,
+    ) -> InferenceResponse | Withdraw:
+        """`submit`'s steps once the model is resolved (`arrived`: when the request came, if it waited for a load)."""
+        started = self._checked(model, request, context, action, arrived)
         outcome = self._shortcut(model, request, started, answer)
         if outcome is not None:
             return outcome
@@ -336,16 +379,74 @@ class InferenceService:
             outcome()
             raise
 
-    def _checked(self, request: InferenceRequest, context: CallContext, action: str) -> tuple[LoadedModel, int]:
-        """Admit, resolve and prepare `request`, and check its deadlines and admission: its model and when it
-        started."""
-        self._admit_inference(request, context, action)
-        model = self._lookup(request)
+    def _checked(
+        self, model: LoadedModel, request: InferenceRequest, context: CallContext, action: str, arrived: int = 0
+    ) -> int:
+        """Prepare `request` for its model and check its deadlines and admission: when it started (when it arrived,
+        for one that waited for its model's load: that wait is its queue time)."""
         if model.decoupled and action == "infer":
             raise UnsupportedError(_DECOUPLED_REFUSAL[context.transport].format(model.name))
         started = time.monotonic_ns()
+        if arrived:
+            request.waited_ns, started = started - arrived, arrived
         self._gate(model, request, context, started)
-        return model, started
+        return started
+
+    # ---- load on demand: the resolve step waits for the model's load ----------------------------------
+
+    def _resolve(self, request: InferenceRequest) -> LoadedModel | None:
+        """The request's model; None for one that is not loaded and that load on demand will load."""
+        try:
+            return self._lookup(request)
+        except (UnknownModelError, UnavailableError):
+            if not self._loads_on_demand(request.model_name):
+                raise
+            return None
+
+    def _loads_on_demand(self, name: str) -> bool:
+        return self.load_on_demand and not self._manager.is_up(name) and self._manager.folder(name) is not None
+
+    def _after_loading(self, request: InferenceRequest, context: CallContext, answer: Answer, action: str) -> Withdraw:
+        """A task waits for the model's load (within the request's deadline), then submits the request as if it had
+        found it loaded; the caller's withdrawal ends the wait, or withdraws the request once submitted."""
+        later = _AfterLoad()
+        task = asyncio.get_running_loop().create_task(self._load_then_submit(request, context, answer, action, later))
+        later.task = task
+        return later
+
+    async def _load_then_submit(
+        self, request: InferenceRequest, context: CallContext, answer: Answer, action: str, later: _AfterLoad
+    ) -> None:
+        arrived = time.monotonic_ns()
+        try:
+            model = await self._loaded(request, context)
+            outcome = self._submit(model, request, context, answer, action, arrived)
+        except asyncio.CancelledError:  # withdrawn while its model loaded: nobody to answer
+            return
+        except Exception as exc:  # the load failed or did not fit, its deadline passed, the request was refused
+            _deliver(answer, exc, request.model_name)
+            return
+        if isinstance(outcome, InferenceResponse):
+            _deliver(answer, outcome, request.model_name)
+        else:
+            later.withdraw = outcome
+
+    async def _loaded(self, request: InferenceRequest, context: CallContext) -> LoadedModel:
+        """The request's model, loaded on demand by the server's one decider and looked up again. A model evicted again
+        to make room for another before this request reached it is loaded again, a few times at most."""
+        for _ in range(_DEMAND_ATTEMPTS):
+            await deadlines.within(self._demand(request.model_name), request, context.deadline)
+            model = self._resolve(request)
+            if model is not None:
+                return model
+        return self._lookup(request)
+
+    async def _demand(self, name: str) -> None:
+        """Have `name` loaded: the server decides (the supervisor with workers), under the memory budget if any."""
+        decider: Cluster | ModelLoads | None = self.cluster if self.cluster is not None else self.loads
+        if decider is None:
+            raise InternalError("load on demand needs the server's decider of loads")
+        await decider.demand(name)
 
     def _gate(self, model: LoadedModel, request: InferenceRequest, context: CallContext, started: int) -> None:
         """From a resolved model to a request it may start: its decoding fault and parameters, its deadlines,
@@ -485,13 +586,18 @@ class InferenceService:
     ) -> AsyncGenerator[StreamResponse, None]:
         """Each response of `request` as the model sends it, the last flagged final: any number for a decoupled
         model, one otherwise (`submit`'s). Faults found before the model runs are raised; later ones come as items."""
+        if self._loads_on_demand(request.model_name):  # loaded first: whether it streams is its config's to say
+            self.admit_ahead(_INFERENCE, context, "infer_stream", request.model_name)
+            await self._loaded(request, context)
         if not self.decoupled(request.model_name, request.model_version):
             yield StreamResponse(await self.infer(request, context, "infer_stream"), final=True)
             return
         self._admit_inference(request, context, "infer_stream")
         self._enter()
+        model: LoadedModel | None = None
         try:
             model = self._lookup(request)
+            model.users += 1  # the memory budget never unloads a model under a stream
             started = time.monotonic_ns()
             # Its deadline is checked now and seen by the model (`request.deadline()`); a stream under way is not cut.
             self._gate(model, request, context, started)
@@ -503,6 +609,8 @@ class InferenceService:
                 await responses.aclose()  # at once, not when collected: its cancel and statistics are due now
         finally:
             self._leave()
+            if model is not None:
+                model.users -= 1
 
     async def _decoupled_responses(
         self, model: LoadedModel, request: InferenceRequest, started: int
@@ -643,7 +751,7 @@ class InferenceService:
 
     # ---- model repository -------------------------------------------------------------------------
 
-    def repository_index(self, ready_only: bool = False, context: CallContext = IN_PROCESS) -> list[dict[str, str]]:
+    def repository_index(self, ready_only: bool = False, context: CallContext = IN_PROCESS) -> list[dict[str, Any]]:
         with self._call(ApiGroup.MODEL_REPOSITORY, "repository_index", context):
             return self._manager.index(ready_only)
 
@@ -670,7 +778,11 @@ class InferenceService:
         if config is not None and not isinstance(config, str):
             raise InvalidArgumentError("Config parameter 'config' must have string type for its value")
         files = model_files(parameters, transport, self.model_load_max_file_bytes, name)
-        await self._manager.load(name, config, files)
+        pin = pin_parameter(parameters)
+        if self.loads is None:
+            await self._manager.load(name, config, files)
+        else:
+            await self.loads.load(name, partial(self._manager.load, name, config, files), pin)
 
     async def unload_model(self, name: str, context: CallContext = IN_PROCESS) -> None:
         with self._call(ApiGroup.MODEL_REPOSITORY, "unload_model", context, name):
@@ -678,7 +790,10 @@ class InferenceService:
 
     async def _unload_model(self, name: str) -> None:
         self._require_explicit()
-        await self._manager.unload(name)
+        if self.loads is None:
+            await self._manager.unload(name)
+        else:
+            await self.loads.unload(name, partial(self._manager.unload, name))
 
     def _require_explicit(self) -> None:
         if not self._explicit:
@@ -708,7 +823,7 @@ class InferenceService:
                     raise InvalidArgumentError(f"requested model version is not available for model '{name}'")
         else:
             models = sorted(self._manager.models(), key=lambda m: (m.name, m.version))
-        return {"model_stats": [m.statistics.as_json(m.name, str(m.version)) for m in models]}
+        return {"model_stats": [_model_stats(m) for m in models]}
 
     # ---- shared memory ----------------------------------------------------------------------------
 
@@ -881,6 +996,23 @@ def _cancel(task: asyncio.Task[InferenceResponse]) -> None:
     task.cancel()
 
 
+class _AfterLoad:
+    """The withdrawal of a request waiting for its model's load (`_after_loading`): the wait ends; once the request is
+    submitted, the submitted request's own withdrawal."""
+
+    __slots__ = ("task", "withdraw")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.withdraw: Withdraw | None = None
+
+    def __call__(self) -> None:
+        if self.withdraw is not None:
+            self.withdraw()
+        elif self.task is not None:
+            self.task.cancel()
+
+
 def _counted(model: LoadedModel, started: int, check: Callable[[], None]) -> None:
     """Run `check`; a refusal it raises (a passed deadline, admission control's) is counted before it goes on."""
     try:
@@ -888,6 +1020,15 @@ def _counted(model: LoadedModel, started: int, check: Callable[[], None]) -> Non
     except GeserveError as exc:
         _account(model, started, exc)
         raise
+
+
+def _model_stats(model: LoadedModel) -> dict[str, Any]:
+    """A version's statistics, with what it costs in memory where measured (a memory budget): Triton's
+    `memory_usage`, the host memory its load added (repository/memory.py)."""
+    stats = model.statistics.as_json(model.name, str(model.version))
+    if model.memory:
+        stats["memory_usage"] = [{"type": "CPU", "id": 0, "byte_size": model.memory}]
+    return stats
 
 
 def _account(model: LoadedModel, started: int, error: BaseException | None = None) -> None:

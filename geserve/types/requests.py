@@ -93,6 +93,9 @@ class InferenceRequest:
     queue_deadline: float | None = None
     # Set by the service once validated: rows this request contributes to a batch (1 without batching).
     batch_size: int = 1
+    # Set by the service for a request that waited for its model's load on demand: that wait, counted in its queue
+    # time by the instance pool.
+    waited_ns: int = 0
     # Set on an ensemble's step requests: the compute of each batch this request runs in is added here, so the
     # ensemble reports the compute of its steps, as Triton's does.
     compute: ComputeTimes | None = None

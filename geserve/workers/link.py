@@ -15,10 +15,13 @@ from typing import Any
 
 from geserve.errors import InternalError
 from geserve.ipc.peer import Peer
+from geserve.repository.holder import LocalHolder
 from geserve.repository.model import LoadedModel
 from geserve.service.service import InferenceService
 from geserve.service.shared_cache import SharedResponseCache, SharedTable
 from geserve.types import InferenceRequest, InferenceResponse
+from geserve.workers import budget
+from geserve.workers.budget import BUDGET_CALLS
 from geserve.workers.dispatch import HANDOFF_VARIABLE, Adopter, Receiver
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class WorkerLink:
         self.cache_fd = cache_fd  # the server's response cache segment (service/shared_cache.py)
         self.cache: SharedResponseCache | None = None  # the service's cache once joined, with a segment
         self._models: Callable[[], list[LoadedModel]] | None = None
+        self._holder: LocalHolder | None = None  # this worker's models, for the supervisor's memory budget
         self._receiver: Receiver | None = None
         self.index = index
         self.count = count  # workers in the server
@@ -77,12 +81,13 @@ class WorkerLink:
 
     async def join(
         self, service: InferenceService, metrics: Callable[[], bytes],
-        models: Callable[[], list[LoadedModel]] | None = None,
+        models: Callable[[], list[LoadedModel]] | None = None, holder: LocalHolder | None = None,
     ) -> None:
         """Connect, and receive the control calls the server has run so far (the supervisor replays them).
         `models`: the models this worker serves, by which the server's response cache learns which control call
-        loaded each; without it, this worker keeps a cache of its own."""
-        self._service, self._metrics = service, metrics
+        loaded each; without it, this worker keeps a cache of its own. `holder`: this worker's models as the
+        server's memory budget and load on demand ask about them (workers/budget.py)."""
+        self._service, self._metrics, self._holder = service, metrics, holder
         if models is not None:
             self._share_cache(service, models)
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
@@ -130,6 +135,9 @@ class WorkerLink:
     async def forward_sequence(self, request: InferenceRequest) -> InferenceResponse | None:
         return await self._connected().call("forward_sequence", self.index, request)
 
+    async def demand(self, name: str) -> None:
+        await self._connected().call("demand", name)
+
     def _connected(self) -> Peer:
         if self._peer is None:
             raise InternalError("this worker is not connected to its supervisor")
@@ -159,12 +167,20 @@ class WorkerLink:
         the shared response cache's keys."""
         cache, models = self.cache, self._models
         if cache is None or models is None or number is None:
-            return await service.run_control(method, args)
+            return await self._run_control(service, method, args)
         cache.control_started(number)
         try:
-            return await service.run_control(method, args)
+            return await self._run_control(service, method, args)
         finally:
             cache.control_ended(models())
+
+    async def _run_control(self, service: InferenceService, method: str, args: tuple[Any, ...]) -> Any:
+        """The service runs control calls; this worker's holder answers the memory budget's."""
+        if method not in BUDGET_CALLS:
+            return await service.run_control(method, args)
+        if self._holder is None:
+            raise InternalError(f"'{method}': this worker was started without a model holder")
+        return await budget.answer(self._holder, method, args)
 
     async def _stop_with_supervisor(self, peer: Peer) -> None:
         """A worker whose supervisor is gone (killed) drains and exits as on SIGTERM, rather than serve alone."""

@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,16 @@ from geserve.errors import GeserveError, InternalError
 from geserve.frontends.metrics import MetricsOptions, MetricsService
 from geserve.frontends.tls import TlsError, tls_files
 from geserve.ipc.peer import Peer, PeerGone
+from geserve.metrics.collector import BudgetCollector
 from geserve.metrics.exposition import render
 from geserve.metrics.system import CpuCollector, CpuSampler
-from geserve.repository.poller import RepositoryPoller
+from geserve.repository.budget import BudgetedFollower, pin_parameter, start_models
+from geserve.repository.poller import ModelFollower, RepositoryPoller
 from geserve.repository.store import ModelStore
 from geserve.service.response_cache import CacheConfigError, build_response_cache
 from geserve.service.shared_cache import create_segment
 from geserve.settings import ServerSettings
+from geserve.workers.budget import DEMAND_LOAD, EVICT, server_loads
 from geserve.workers.dispatch import GRPC, HANDOFF_VARIABLE, HTTP, Dispatcher, doors
 from geserve.workers.link import CACHE_VARIABLE, COUNT_VARIABLE, INDEX_VARIABLE, SOCKET_VARIABLE
 from geserve.workers.metrics_merge import merge_expositions
@@ -57,7 +61,9 @@ logger = logging.getLogger(__name__)
 MAX_AUTO_WORKERS = 8
 # Control calls that change the server's state: kept (the latest per model, per region) and replayed to a worker
 # that joins later, so a restarted worker serves what the others serve.
-_REPLAYED = frozenset({"load_model", "unload_model", "poll_load", "poll_unload", "register_shared_memory",
+_DECIDED = frozenset({"load_model", "unload_model"})  # through the server's decider, when it has one
+_REPLAYED = frozenset({"load_model", "unload_model", "poll_load", "poll_unload", DEMAND_LOAD, EVICT,
+                       "register_shared_memory",
                        "unregister_shared_memory", "register_cuda_shared_memory", "unregister_cuda_shared_memory",
                        "log_settings", "trace_setting"})
 _RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -107,8 +113,15 @@ class Supervisor:
         self.socket_path = str(Path(self._folder.name) / "control.sock")
         self._dispatch = Dispatcher(doors(settings))
         polling = settings.model_control_mode == "poll"
-        store = ModelStore(settings.model_repositories)
-        self._poller = RepositoryPoller(store, _EveryWorker(self), settings.repository_poll_secs) if polling else None
+        self._store = store = ModelStore(settings.model_repositories)
+        # With a memory budget or load on demand, the supervisor decides every load and unload of the server and the
+        # workers do them (workers/budget.py); the server is ready once the models of its start are loaded.
+        self._loads = server_loads(settings, self)
+        follower: ModelFollower = _EveryWorker(self)
+        if self._loads is not None:
+            follower = BudgetedFollower(self._loads, follower, settings.load_on_demand)
+        self._poller = RepositoryPoller(store, follower, settings.repository_poll_secs) if polling else None
+        self._starting = self._loads is not None and bool(settings.model_memory_budget)
         self._cache_fd = _cache_segment(settings)
 
     # ---- the life of the server --------------------------------------------------------------------
@@ -134,7 +147,7 @@ class Supervisor:
         self._fix_ports()
         try:
             await self._start_metrics()  # first, as in a single process: /metrics answers once HTTP is live
-            if not await self._start_all(stop):
+            if not await self._start_all(stop) or not await self._load_at_start():
                 return 1
             try:  # the ports open once every worker serves, as one process binds after loading its models
                 await self._dispatch.open()
@@ -299,7 +312,7 @@ class Supervisor:
 
     def _send_ready(self) -> None:
         """Every worker answers ready only while all of them serve (and the server is not stopping)."""
-        ready = not self._stopping and all(w.serving for w in self.workers)
+        ready = not self._stopping and not self._starting and all(w.serving for w in self.workers)
         if ready != self._ready_sent:
             self._ready_sent = ready
             for worker in self.workers:
@@ -335,6 +348,8 @@ class Supervisor:
             return await self._gather(*args)
         if method == "forward_sequence":
             return await self._forward_sequence(*args)
+        if method == "demand" and self._loads is not None:
+            return await self._loads.demand(*args)
         raise InternalError(f"unknown call '{method}' from a worker")
 
     async def _join(self, peer: Peer, index: int) -> None:
@@ -346,6 +361,8 @@ class Supervisor:
                     await peer.call("control", method, args, number)
                 except GeserveError as exc:  # it failed on the others too when it ran (a bad config, say)
                     logger.info("worker %d: replayed %s failed: %s", index, method, exc.message)
+            if self._loads is not None:  # what the models it now serves cost the server, for its index and statistics
+                await peer.call("control", "budget_charges", (self._loads.charges(),))
             self.workers[index].peer = peer
         peer.notify("server_ready", bool(self._ready_sent))
 
@@ -355,16 +372,17 @@ class Supervisor:
     async def _broadcast(self, origin: int, method: str, args: tuple[Any, ...]) -> Any:
         """One control call of the server: run on every worker at once; the worker it came to answers. A worker
         that fails where the first did not, fails the call with its reason; one that exits meanwhile is
-        restarted with the call replayed."""
-        async with self._control:
-            joined = self._joined()
-            number = next(self._calls)
-            results = await asyncio.gather(
-                *(peer.call("control", method, args, number) for _, peer in joined), return_exceptions=True
-            )
-            if method in _REPLAYED:
-                self._record(method, args, number)
-        by_worker = dict(zip((index for index, _ in joined), results, strict=True))
+        restarted with the call replayed. A model load or unload request goes through the server's decider first,
+        when it has one (a memory budget: room is made before the load)."""
+        if self._loads is not None and method in _DECIDED and self.settings.model_control_mode == "explicit":
+            run = partial(self._run_everywhere, origin, method, args)
+            if method == "unload_model":
+                return await self._loads.unload(args[0], run)
+            return await self._loads.load(args[0], run, pin_parameter(args[1]))
+        return await self._run_everywhere(origin, method, args)
+
+    async def _run_everywhere(self, origin: int, method: str, args: tuple[Any, ...]) -> Any:
+        by_worker = await self._numbered(method, args)
         mine = by_worker.pop(origin, None)
         if isinstance(mine, BaseException):
             raise mine
@@ -373,9 +391,61 @@ class Supervisor:
                 raise type(result)(f"worker {index}: {result.message}")
         return mine
 
+    async def _numbered(self, method: str, args: tuple[Any, ...]) -> dict[int, Any]:
+        """A control call on every joined worker, under the next number (kept to replay if it changes what the
+        server serves): each worker's result or exception, by worker."""
+        async with self._control:
+            joined = self._joined()
+            number = next(self._calls)
+            results = await asyncio.gather(
+                *(peer.call("control", method, args, number) for _, peer in joined), return_exceptions=True
+            )
+            if method in _REPLAYED:
+                self._record(method, args, number)
+        return dict(zip((index for index, _ in joined), results, strict=True))
+
+    # The memory budget's view of the workers (workers/budget.py's `Workers`).
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers if w.peer is not None and w.process is not None]
+
+    async def everywhere(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        return list((await self._numbered(method, args)).values())
+
+    async def ask_each(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        answers = await asyncio.gather(*(peer.call("control", method, args) for _, peer in self._joined()),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, PeerGone):
+                raise answer
+        return [answer for answer in answers if not isinstance(answer, PeerGone)]
+
+    async def _load_at_start(self) -> bool:
+        """With a memory budget the workers load nothing at start: the supervisor loads the models of the start
+        through the budget, measured, once every worker has joined (False: one failed, with --exit-on-error)."""
+        if not self._starting or self._loads is None:
+            return True
+        failed = []
+        for name in start_models(self.settings, await asyncio.to_thread(self._store.scan)):
+            try:
+                await self._loads.load(name, partial(self._run_everywhere, -1, "poll_load", (name,)))
+            except GeserveError as exc:
+                logger.error("model '%s' failed to load: %s", name, exc.message)
+                failed.append(name)
+        self._starting = False
+        self._send_ready()
+        if failed and self.settings.exit_on_error:
+            await self._stop_all([])
+            return False
+        return True
+
     def _record(self, method: str, args: tuple[Any, ...], number: int) -> None:
         """Keep what a joining worker must replay: the latest call per model and per region, the log settings."""
-        if method in ("load_model", "unload_model", "poll_load", "poll_unload"):
+        if method == EVICT:  # one unload per model it evicted
+            for name in args[0]:
+                self._record("poll_unload", (name,), number)
+            return
+        if method in ("load_model", "unload_model", "poll_load", "poll_unload", DEMAND_LOAD):
             key = ("model", args[0])
         elif method.startswith("unregister_") and not args[0]:  # every region of its kind
             kind = method.removeprefix("unregister_")
@@ -419,6 +489,8 @@ class Supervisor:
             nvml = load_nvml()  # None without nvidia-ml-py or a driver: no GPU families, as in Triton
             if nvml is not None:
                 self._machine.register(GpuCollector(nvml))
+        if self._loads is not None:  # the budget's families, once for the server: the supervisor decides
+            self._machine.register(BudgetCollector(self._loads))
         try:
             tls = tls_files("--http", settings.http_use_ssl, settings.http_use_ssl_mutual,
                             settings.http_server_cert, settings.http_server_key, settings.http_root_cert)
@@ -466,7 +538,7 @@ class _EveryWorker:
         self._supervisor = supervisor
 
     async def load(self, name: str) -> None:
-        await self._supervisor._broadcast(-1, "poll_load", (name,))  # -1: no worker asked
+        await self._supervisor._run_everywhere(-1, "poll_load", (name,))  # -1: no worker asked
 
     async def unload(self, name: str) -> None:
-        await self._supervisor._broadcast(-1, "poll_unload", (name,))
+        await self._supervisor._run_everywhere(-1, "poll_unload", (name,))

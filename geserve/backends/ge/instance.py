@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from geserve.backends.base import Execution, ModelInstance, Results
-from geserve.errors import GeserveError, InternalError, InvalidArgumentError
+from geserve.errors import GeserveError, InternalError, InvalidArgumentError, UnavailableError
 from geserve.types import ComputeTimes, InferenceRequest, InferenceResponse, OutputTensor
 
 
@@ -66,7 +66,10 @@ class GeInstance(ModelInstance):
             return Execution.timed([error] * len(requests), start)
 
     def finalize(self) -> None:
+        # `_run` holds the native session too: both go, or the session's weights and arena outlive the unload for as
+        # long as anything (a reference cycle, a remembered request header) keeps this instance.
         self._session = None
+        self._run = _unloaded
 
     def _feed(self, name: str, array: np.ndarray, batch: int) -> np.ndarray:
         layout = self._layout.inputs[name]
@@ -138,6 +141,10 @@ class GeInstance(ModelInstance):
 
 
 _ONNX_BFLOAT16 = 16
+
+
+def _unloaded(names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    raise UnavailableError("the model instance was unloaded")
 
 
 def _direct_run(session: ort.InferenceSession) -> Callable[[list[str], dict[str, np.ndarray]], list[np.ndarray]]:

@@ -1,0 +1,172 @@
+"""The memory budget of a server of several workers: its models across all the workers, as the supervisor's decider
+(repository/budget.py's `ModelLoads`) sees them. Every worker holds every model, so every step runs on all of them:
+a model serves where any worker serves it, is busy where a request of it is under way in any worker, and is held
+(then unloaded) only if it is idle in every one of them; otherwise the workers that held it serve it again.
+
+A load's charge is what it added to the PSS of all the workers together (the supervisor reads /proc for each), so
+weights the workers map from one file count once; each version gets its share of that in proportion to what each
+worker measured of its own build, and every worker is told the server-wide charges for its index and statistics.
+
+The calls a worker answers for these (`BUDGET_CALLS`) are handled by its link with the worker's own holder
+(repository/holder.py); `demand_load` and `budget_evict` change what the server serves and are replayed to a worker
+that joins later, as loads and unloads are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping
+from typing import Any, Protocol
+
+from geserve.ipc.peer import PeerGone
+from geserve.repository import memory
+from geserve.repository.budget import Charges, Held, ModelLoads, Plan, parse_size
+from geserve.repository.holder import LocalHolder
+from geserve.settings import ServerSettings
+
+DEMAND_LOAD, EVICT = "demand_load", "budget_evict"
+BUDGET_CALLS = frozenset(
+    {
+        "budget_usage",
+        "budget_plan",
+        "budget_hold",
+        "budget_release",
+        EVICT,
+        DEMAND_LOAD,
+        "budget_settle",
+        "budget_measured",
+        "budget_charges",
+    }
+)
+
+
+class Workers(Protocol):
+    """What the budget needs of the supervisor."""
+
+    def pids(self) -> list[int]:
+        """The processes of the workers that serve now."""
+        ...
+
+    async def everywhere(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """A control call on every joined worker (numbered, and replayed to later ones where it changes what they
+        serve): each worker's result, exceptions included."""
+        ...
+
+    async def ask_each(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """A question to every joined worker (not numbered, not replayed): their answers."""
+        ...
+
+
+class WorkersHolder:
+    """`ModelHolder` over every worker of the server."""
+
+    def __init__(self, workers: Workers) -> None:
+        self._workers = workers
+
+    async def held(self) -> dict[str, Held]:
+        merged: dict[str, Held] = {}
+        for answer in await self._workers.ask_each("budget_usage", ()):
+            for name, held in answer.items():
+                seen = merged.get(name)
+                merged[name] = (
+                    held
+                    if seen is None
+                    else Held(max(seen.last_used, held.last_used), seen.busy or held.busy, seen.pinned or held.pinned)
+                )
+        return merged
+
+    async def plan(self, name: str, known: Mapping[str, int]) -> Plan:
+        plans = await self._workers.ask_each("budget_plan", (name, dict(known)))
+        return max(plans, key=lambda plan: plan.need) if plans else Plan(0, frozenset({name}))
+
+    async def hold(self, names: list[str]) -> bool:
+        held = await self._workers.everywhere("budget_hold", (names,))
+        if all(result is True for result in held if not isinstance(result, PeerGone)):
+            return True
+        await self.release(names)  # a worker found one busy: the others serve it again
+        return False
+
+    async def release(self, names: list[str]) -> None:
+        _first_error(await self._workers.everywhere("budget_release", (names,)))
+
+    async def evict(self, names: list[str]) -> None:
+        _first_error(await self._workers.everywhere(EVICT, (names,)))
+
+    async def ensure(self, name: str) -> Charges:
+        return await self.measure(self._load_everywhere(name))
+
+    async def _load_everywhere(self, name: str) -> None:
+        _first_error(await self._workers.everywhere(DEMAND_LOAD, (name,)))
+
+    async def measure(self, load: Awaitable[object]) -> Charges:
+        await self._workers.ask_each("budget_settle", ())
+        before = memory.total_pss(self._workers.pids())
+        try:
+            await load
+        finally:
+            own: list[Charges] = await self._workers.ask_each("budget_measured", ())
+            charges = scaled(own, memory.total_pss(self._workers.pids()) - before)
+            if charges:
+                await self._workers.ask_each("budget_charges", (charges,))
+        return charges
+
+
+def scaled(own: list[Charges], total: int) -> Charges:
+    """The server-wide charges of the versions a load built: `total` bytes (what all the workers grew by, shared
+    pages once) shared out in proportion to what each worker measured of its own builds."""
+    summed: Charges = {}
+    for charges in own:
+        for name, versions in charges.items():
+            for version, size in versions.items():
+                summed.setdefault(name, {})[version] = summed.get(name, {}).get(version, 0) + size
+    count = sum(len(versions) for versions in summed.values())
+    grand = sum(sum(versions.values()) for versions in summed.values())
+    total = max(total, 0)
+    return {
+        name: {v: (total * size // grand if grand > 0 else total // count) for v, size in versions.items()}
+        for name, versions in summed.items()
+    }
+
+
+def _first_error(results: list[Any]) -> None:
+    """Raise the first worker's failure (a worker that exited meanwhile is restarted with the call replayed)."""
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, PeerGone):
+            raise result
+
+
+async def answer(holder: LocalHolder, method: str, args: tuple[Any, ...]) -> Any:
+    """A worker's answer to one of BUDGET_CALLS, from its own holder."""
+    if method == "budget_usage":
+        return holder.usage()
+    if method == "budget_plan":
+        return await holder.plan(*args)
+    if method == "budget_hold":
+        return await holder.hold(*args)
+    if method == "budget_release":
+        return await holder.release(*args)
+    if method == EVICT:
+        return await holder.evict(*args)
+    if method == DEMAND_LOAD:
+        return await holder.load_missing(*args)
+    if method == "budget_settle":  # a measurement starts: what was built before is not its, and the heap is trimmed
+        holder.take_measured()
+        return await asyncio.to_thread(memory.trim_heap)
+    if method == "budget_measured":
+        return holder.take_measured()
+    charges: Charges = args[0]  # budget_charges: the server-wide charges, for the index and the statistics
+    for model in holder.models():
+        model.memory = charges.get(model.name, {}).get(model.version, model.memory)
+    return None
+
+
+def server_loads(settings: ServerSettings, workers: Workers) -> ModelLoads | None:
+    """The supervisor's decider of loads with a memory budget or load on demand; None with neither, or with a budget
+    the workers will refuse to start with (each says why, as one process would)."""
+    if not settings.model_memory_budget and not settings.load_on_demand:
+        return None
+    try:
+        limit = parse_size(settings.model_memory_budget) if settings.model_memory_budget else None
+    except ValueError:
+        return None
+    return ModelLoads(WorkersHolder(workers), limit)
