@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from geserve import InferenceRequest, InputTensor, Server, ServerSettings
-from tests.support.python_repo import SHARED, geserve_repository
+from tests.support.python_repo import SHARED, geserve_repository, isolate
 from tests.support.server import RunningServer, geserve
 from tests.support.streams import stream_request, summarized
 
@@ -38,14 +38,16 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["in-process", "isolated"])
+def repo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The models in the server's process, then each instance in a process of its own (`isolation: process`):
+    everything below holds for both."""
     root = geserve_repository(tmp_path_factory.mktemp("python") / "models", (*SHARED, "probe", "readiness"))
     for name, source in BROKEN.items():
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(_CONFIG)
         (root / name / "1" / "model.py").write_text(source)
-    return root
+    return isolate(root) if request.param == "isolated" else root
 
 
 @pytest.fixture(scope="module")

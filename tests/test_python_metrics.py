@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from geserve.metrics import CustomMetricError, CustomMetricStore, render
 from geserve.metrics.exposition import format_value
-from tests.support.python_repo import PYTHON_MODELS
+from tests.support.python_repo import PYTHON_MODELS, isolate
 from tests.support.reference import BootingTriton, reference_available, reference_unavailable_reason
 from tests.support.server import RunningServer, geserve
 
@@ -214,10 +214,14 @@ def test_values_are_written_as_prometheus_cpp_writes_them() -> None:
 # ---------------------------------------------------------------------------------------- geserve alone
 
 
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Side]:
+@pytest.fixture(scope="module", params=["in-process", "isolated"])
+def alone(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Side]:
+    """The model in the server's process, then in a process of its own (`isolation: process`), whose families and
+    series live in the server's store all the same."""
     root = tmp_path_factory.mktemp("python-metrics")
     repo = copy_model(root / "models")
+    if request.param == "isolated":
+        isolate(repo)
     with geserve([repo], root / "geserve.log", ["--model-control-mode=explicit", f"--load-model={MODEL}"]) as server:
         yield geserve_side(server, repo)
     gc.collect()

@@ -36,3 +36,16 @@ def triton_repository(dest: Path, names: Iterable[str] = SHARED) -> Path:
     build_python_backend_repository(source, dest, ["simple"])
     _copy(names, dest)
     return dest
+
+
+# A Python model's config line that runs each of its instances in a process of its own (backends/python/isolation).
+ISOLATION = 'parameters { key: "isolation" value: { string_value: "process" } }\n'
+
+
+def isolate(repo: Path) -> Path:
+    """Every Python model of `repo` runs isolated: its config asks for a process of its own per instance."""
+    for config in repo.glob("*/config.pbtxt"):
+        text = config.read_text()
+        if 'backend: "python"' in text and '"isolation"' not in text:
+            config.write_text(text.rstrip("\n") + "\n" + ISOLATION)
+    return repo

@@ -1,4 +1,5 @@
-"""The Python backend: `backend: "python"` models (a `model.py` defining TritonPythonModel), run in-process."""
+"""The Python backend: `backend: "python"` models (a `model.py` defining TritonPythonModel), run in the server's
+process, or each instance in a process of its own when the config asks (isolation/)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,14 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
-from google.protobuf import json_format
 from tritonclient.grpc.model_config_pb2 import ModelInstanceGroup
 
-from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelSource
-from geserve.backends.python import loader, metrics, runtime
+from geserve.backends.base import BackendKind, BackendSettings, InferenceHost, ModelInstance, ModelSource
+from geserve.backends.python import completion, isolation, loader, metrics, runtime
 from geserve.backends.python.instance import PythonInstance
-from geserve.backends.python.model_config import ModelConfig as AutoCompleteConfig
 from geserve.config import ModelConfig, message_to_json_dict
-from geserve.errors import GeserveError, InvalidArgumentError
+from geserve.errors import GeserveError
 from geserve.metrics.custom import CustomMetricStore
 
 logger = logging.getLogger(__name__)
@@ -43,63 +41,26 @@ class PythonBackend:
         metrics.set_default_store(self._custom_metrics)
 
     def auto_complete_config(self, config: ModelConfig, source: ModelSource) -> None:
-        """Call the model's static `auto_complete_config(ModelConfig)`, if it has one, on the config's JSON form."""
-        # Metric families the file makes here (at import, in the hook) belong to this throwaway import only.
-        scope = metrics.MetricScope(self._custom_metrics, config.name)
-        try:
-            with metrics.bound(scope):
-                self._auto_complete(config, source)
-        finally:
-            scope.close()
+        """Call the model's static `auto_complete_config(ModelConfig)`, if it has one, on the config's JSON form: in
+        a short-lived process of its own for an isolated model, as Triton runs it in a stub."""
+        path = model_file(config, source)
+        if isolation.wanted(config):
+            isolation.complete_config(config, path, self._host, self._custom_metrics)
+        else:
+            completion.complete(config, path, self._custom_metrics)
 
-    def _auto_complete(self, config: ModelConfig, source: ModelSource) -> None:
-        module = loader.import_model_file(model_file(config, source), config.name)
-        try:
-            hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
-            if hook is None:
-                return
-            wrapper = AutoCompleteConfig(message_to_json_dict(config))
-            try:
-                result = hook(wrapper)
-            except BaseException as exc:
-                raise InvalidArgumentError(
-                    f"auto_complete_config of Python model '{config.name}' failed: {loader.describe(exc)}"
-                ) from None
-            completed = (result if isinstance(result, AutoCompleteConfig) else wrapper).as_dict()
-            parsed = ModelConfig()
-            try:
-                json_format.ParseDict(completed, parsed)
-            except (json_format.ParseError, TypeError, ValueError) as exc:
-                raise InvalidArgumentError(
-                    f"auto_complete_config of Python model '{config.name}' produced an invalid config: {exc}"
-                ) from None
-            config.CopyFrom(parsed)
-        finally:
-            loader.forget(module)
-
-    def _import(self, path: Path, model_name: str, instance_name: str) -> tuple[ModuleType, metrics.MetricScope]:
-        """A fresh import of model.py for one instance, with the metrics scope its import-time families go to."""
-        scope = metrics.MetricScope(self._custom_metrics, instance_name)
-        try:
-            with metrics.bound(scope):  # families made at import belong to the instance
-                module = loader.import_model_file(path, model_name)
-        except GeserveError:
-            scope.close()
-            raise
-        return module, scope
-
-    def create_instances(self, config: ModelConfig, source: ModelSource) -> list[PythonInstance]:
-        """One instance per execution context of every instance group, each importing model.py afresh."""
+    def create_instances(self, config: ModelConfig, source: ModelSource) -> list[ModelInstance]:
+        """One instance per execution context of every instance group, each importing model.py afresh (in its own
+        process when the config asks for isolation)."""
         path = model_file(config, source)
         config_json = json.dumps(message_to_json_dict(config), separators=(",", ":"))
         outputs = [o.name for o in config.output]
         decoupled = config.model_transaction_policy.decoupled
-        instances: list[PythonInstance] = []
+        isolated = isolation.wanted(config)
+        instances: list[ModelInstance] = []
         try:
             for group, name, device_id in _placements(config):
-                module, scope = self._import(path, config.name, name)
-                instance = PythonInstance(name, module, self._host, outputs, decoupled, scope)
-                instance.initialize({
+                args = {
                     "model_config": config_json,
                     "model_instance_kind": _KIND_NAMES.get(group.kind, "CPU"),
                     "model_instance_name": name,
@@ -107,14 +68,21 @@ class PythonBackend:
                     "model_repository": str(source.model_dir),
                     "model_version": str(source.version),
                     "model_name": config.name,
-                })
+                }
+                if isolated:
+                    spec = isolation.InstanceSpec(name, config.name, str(path), outputs, decoupled, args)
+                    instance: ModelInstance = isolation.start_instance(spec, self._host, self._custom_metrics)
+                else:
+                    module, scope = loader.import_for_instance(self._custom_metrics, path, config.name, name)
+                    instance = PythonInstance(name, module, self._host, outputs, decoupled, scope)
+                    instance.initialize(args)
                 instances.append(instance)
         except GeserveError:
-            for instance in instances:
-                instance.finalize()
+            for created in instances:
+                created.finalize()
             raise
-        logger.info("loaded Python model '%s' version %d: %d instance(s)%s", config.name, source.version,
-                    len(instances), ", decoupled" if decoupled else "")
+        logger.info("loaded Python model '%s' version %d: %d instance(s)%s%s", config.name, source.version,
+                    len(instances), ", decoupled" if decoupled else "", ", each in its own process" if isolated else "")
         return instances
 
 

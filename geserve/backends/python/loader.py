@@ -16,7 +16,8 @@ import traceback
 import types
 from pathlib import Path
 
-from geserve.errors import UnavailableError
+from geserve.backends.python import metrics
+from geserve.errors import GeserveError, UnavailableError
 
 _counter = itertools.count()
 # Frames inside geserve and the standard library (futures, asyncio) are not the model's.
@@ -46,6 +47,20 @@ def import_model_file(path: Path, model_name: str) -> types.ModuleType:
         sys.modules.pop(module_name, None)
         raise UnavailableError(f"{path} of model '{model_name}' defines no class TritonPythonModel")
     return module
+
+
+def import_for_instance(
+    store: metrics.MetricStore, path: Path, model_name: str, instance_name: str
+) -> tuple[types.ModuleType, metrics.MetricScope]:
+    """A fresh import of model.py for one instance, with the metrics scope its import-time families go to."""
+    scope = metrics.MetricScope(store, instance_name)
+    try:
+        with metrics.bound(scope):  # families made at import belong to the instance
+            module = import_model_file(path, model_name)
+    except GeserveError:
+        scope.close()
+        raise
+    return module, scope
 
 
 def forget(module: types.ModuleType) -> None:

@@ -12,8 +12,8 @@ import enum
 import json
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from geserve.backends.python.messages import TritonModelException
 from geserve.metrics.custom import COUNTER, GAUGE, HISTOGRAM, CustomFamily, CustomMetricError, CustomMetricStore, Series
@@ -37,11 +37,24 @@ class MetricKind(enum.IntEnum):
 _KINDS = {MetricKind.COUNTER: COUNTER, MetricKind.GAUGE: GAUGE, MetricKind.HISTOGRAM: HISTOGRAM}
 
 
+class MetricStore(Protocol):
+    """Where families and series live: the server's CustomMetricStore, or, in a model's own process, a stand-in that
+    asks the server's (isolation/remote.py). Refusals are CustomMetricError."""
+
+    def open_family(self, name: str, description: str, kind: str) -> CustomFamily: ...
+
+    def open_series(
+        self, family: CustomFamily, labels: Mapping[str, str], buckets: Sequence[float] | None = None
+    ) -> Series: ...
+
+    def release(self, family: CustomFamily, series: Series | None = None) -> None: ...
+
+
 class MetricScope:
     """The custom metrics one model instance creates: closing the scope (unload) deletes its families, so
     their series leave /metrics, and later calls on them fail as on a deleted family."""
 
-    def __init__(self, store: CustomMetricStore, instance_name: str) -> None:
+    def __init__(self, store: MetricStore, instance_name: str) -> None:
         self.store = store
         self.instance_name = instance_name
         # Weak: a family the model lets go of is deleted then (its `__del__`), as under Triton.
@@ -73,7 +86,7 @@ _local = threading.local()
 _default = MetricScope(CustomMetricStore(), "")  # model code run with no server (a unit test) still works
 
 
-def set_default_store(store: CustomMetricStore) -> None:
+def set_default_store(store: MetricStore) -> None:
     global _default
     _default = MetricScope(store, "")
 
