@@ -11,11 +11,13 @@ requests the service took for it and has not answered, `held`, whichever is more
 - lower priority levels (Triton's `priority`, 1 highest) get a smaller share of that limit, so they are refused
   first: the lowest gets half;
 - the queue-time budget: a request whose deadline (or, without one, the model's `overload_queue_budget_ms`) falls
-  before the time its turn can come (the requests ahead of it times the model's measured service time per request)
-  is refused now: it would be answered DEADLINE_EXCEEDED after holding a place in the queue. A batching model's
-  service time per request depends on how full its batches are: a queue of a batch or more runs in full batches, so
-  it is charged the time measured over batches at least half full (at low load the batches are small, and their
-  time per request, up to the batch size times more, refused bursts the model would have answered in time).
+  before the time its turn can come and its own execution end is refused now: it would be answered DEADLINE_EXCEEDED
+  after holding a place in the queue. A batching model's service time per request depends on how full its batches
+  are: a queue of a batch or more runs in full batches, so it is charged the time measured over batches at least
+  half full (at low load the batches are small, and their time per request, up to the batch size times more,
+  refused bursts the model would have answered in time), and it waits for whole batches, not for each request
+  ahead of it (the requests queued in its batch run with it: charging them one after the other kept the queue
+  short of a second full batch, and the model ran half-full batches under overload).
 
 Written here rather than taken from a library: no Python library does it for an asyncio server, and the whole
 check is a few comparisons per request.
@@ -103,6 +105,16 @@ class Admission:
         self._totals = statistics.execution_totals()
         self._executions = statistics.execution_count
 
+    def admit_ahead(self, deadline: float | None, inflight: int) -> None:
+        """Before the request is decoded: refuse it (OverloadedError) by the rules its body cannot change, the limit
+        and the caller's `deadline` (a request shed under overload costs no decoding); else nothing."""
+        inflight = max(inflight, self.held)
+        if inflight >= self.limit:
+            self._refuse("concurrency", inflight, "its concurrency limit is reached")
+        if deadline is not None and self.service_ns:
+            wait_ns, own_ns = self._estimate(inflight)
+            self._check_budget(inflight, wait_ns, deadline - own_ns / 1e9)
+
     def admit(self, request: InferenceRequest, inflight: int) -> None:
         """Refuse `request` (OverloadedError) when the model cannot take it now, with `inflight` requests in its
         scheduler; else nothing."""
@@ -113,24 +125,29 @@ class Admission:
         if levels > 1 and inflight >= self.limit * self._share(request.priority, levels):
             self._refuse("priority", inflight, f"priority {request.priority} is shed at this load")
         if self.service_ns:
-            self._check_budget(request, inflight)
+            wait_ns, own_ns = self._estimate(inflight)
+            self._check_budget(inflight, wait_ns, self._latest_start(request, own_ns))
 
-    def _check_budget(self, request: InferenceRequest, inflight: int) -> None:
-        """Refuse a request whose turn, after the `inflight` requests ahead of it, comes too late."""
-        wait_ns, own_ns = self._estimate(inflight)
-        latest = self._latest_start(request, own_ns)
+    def _check_budget(self, inflight: int, wait_ns: float, latest: float | None) -> None:
+        """Refuse a request whose turn, `wait_ns` away behind the `inflight` requests ahead of it, comes after the
+        latest start it can have."""
         if latest is not None and time.monotonic() + wait_ns / 1e9 > latest:
             self._refuse("deadline", inflight, "it cannot be answered before its deadline")
 
     def _estimate(self, inflight: int) -> tuple[float, float]:
         """How long a request arriving behind `inflight` waits for its turn, and how long its own execution then
-        takes: a queue that fills batches runs at the service time measured over full batches; a shorter one waits
-        at most for the batch running and goes in the next."""
+        takes. A queue that fills batches runs in rounds (a full batch on every instance, at the service time measured
+        over full batches): the request waits for the round running and the full rounds queued ahead of it, then
+        runs in its own; the requests queued in its round run with it, not before it. A shorter queue waits at most
+        for the batch running and goes in the next."""
         batch = self._settings.batch
         full = self.full_service_ns or self.service_ns
-        batch_ns = full * batch
         if inflight >= batch:
-            return inflight * full, batch_ns
+            round_size = batch * self._settings.parallelism
+            round_ns = full * round_size  # one batch's time on one instance: the instances run theirs together
+            rounds_ahead = 1 + max(0, inflight - round_size) // round_size
+            return rounds_ahead * round_ns, round_ns
+        batch_ns = full * batch
         return min(inflight * self.service_ns, batch_ns), min((inflight + 1) * self.service_ns, batch_ns)
 
     def _latest_start(self, request: InferenceRequest, own_ns: float) -> float | None:

@@ -216,9 +216,10 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             deliver(grpc_status(exc))
 
     def _decoded(self, message: pb.ModelInferRequest, call: CallContext) -> InferenceRequest:
-        """The request, admitted before its tensors are decoded: a caller who may not infer costs no decoding (and
-        is admitted once). gRPC read the message before: a traced request's read is its decoding."""
-        self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", message.model_name)
+        """The request, admitted before its tensors are decoded: a caller who may not infer, or whom the model's
+        admission control sheds, costs no decoding (and is admitted once). gRPC read the message before: a traced
+        request's read is its decoding."""
+        self._service.admit_ahead(ApiGroup.INFERENCE, call, "infer", message.model_name, message.model_version)
         if self._service.tracer is None:
             return self._decode(message).request
         read_start = time.monotonic_ns()
