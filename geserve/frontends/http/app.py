@@ -435,7 +435,7 @@ class HttpFrontend:
         self, name: str, version: str, source: BodySource, headers: dict[bytes, bytes], context: CallContext
     ) -> tuple[InferenceRequest, bytes]:
         """`_received_now`, the body received first where ASGI hands it in messages (admitted before it is read)."""
-        receive_start = self._admitted(name, context)
+        receive_start = self._admitted(name, version, context)
         if not isinstance(source, bytes):
             try:
                 source = await _receive_body(source, headers, self._max_input_size)
@@ -447,12 +447,13 @@ class HttpFrontend:
         self, name: str, version: str, body: bytes, headers: dict[bytes, bytes], context: CallContext
     ) -> tuple[InferenceRequest, bytes]:
         """An inference request from a body read whole (the native server's), admitted before it is decoded."""
-        return self._request(name, version, body, headers, context, self._admitted(name, context))
+        return self._request(name, version, body, headers, context, self._admitted(name, version, context))
 
-    def _admitted(self, name: str, context: CallContext) -> int:
-        """Admit the call before its body is read and decoded: a caller who may not infer costs no decoding, and the
-        service does not admit it again. When the service may trace it, when its receiving started (else 0)."""
-        self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name)
+    def _admitted(self, name: str, version: str, context: CallContext) -> int:
+        """Admit the call before its body is read and decoded: a caller who may not infer, or whom the model's
+        admission control sheds, costs no decoding, and the service does not admit it again. When the service may
+        trace it, when its receiving started (else 0)."""
+        self._service.admit_ahead(ApiGroup.INFERENCE, context, "infer", name, version)
         return time.monotonic_ns() if self._service.tracer is not None else 0
 
     def _request(
