@@ -375,6 +375,11 @@ def _serve(args: argparse.Namespace, settings: ServerSettings, argv: list[str] |
     from geserve.server import Server, StartupError
     from geserve.workers.supervisor import Supervisor, worker_count
 
+    if settings.model_memory_budget and argv is None:  # measured loads want one malloc arena from the start
+        from geserve.repository.memory import exec_with_one_heap
+
+        exec_with_one_heap()
+
     _install_event_loop_policy()
     workers = 1 if link is not None else worker_count(settings.workers)
 

@@ -18,11 +18,13 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import sys
 from collections.abc import Iterable
 from functools import cache
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
+ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # glibc reads it once, as a process starts
 
 
 def pss(pid: int = 0) -> int:
@@ -60,11 +62,22 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+def exec_with_one_heap() -> None:
+    """Run this command again with MALLOC_ARENA_MAX=1 in its environment (the same process: exec), unless it has it:
+    `one_heap` for the whole process, threads started on import included (numpy's and ONNX Runtime's start before
+    any of geserve's code runs), and for the workers it starts, which inherit the variable."""
+    if os.environ.get(ARENA_VARIABLE) == "1" or _libc() is None:
+        return
+    os.environ[ARENA_VARIABLE] = "1"
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def one_heap() -> None:
     """Make glibc's malloc keep one arena for every thread (M_ARENA_MAX = 1), for a server with a memory budget:
     `malloc_trim` cannot shrink the top of a thread's arena, which then shrank on its own during later loads and
     made their measurements miss megabytes (a 4.5 MiB model measured from 0.4 to 8.6 MiB with an arena per thread,
-    4.52 to 4.56 with one). Called at start, before the threads that would make arenas of their own."""
+    4.52 to 4.56 with one). Only threads that have no arena yet follow it: `exec_with_one_heap` covers those that
+    started before geserve's code ran."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(_M_ARENA_MAX, 1)

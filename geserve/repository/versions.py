@@ -66,6 +66,8 @@ class VersionLifecycle:
                 await _stop(record.name, list(previous.values()))
                 for version, status in previous.items():
                     record.versions.setdefault(version, status)
+                if any(s.model is None for s in previous.values()):  # versions replaced: their memory goes back
+                    await memory.give_back()
                 return failures
             finally:
                 record.load_seconds = time.monotonic() - started

@@ -14,7 +14,7 @@ that joins later, as loads and unloads are.
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
 
@@ -23,6 +23,8 @@ from geserve.repository import memory
 from geserve.repository.budget import Charges, Held, ModelLoads, Plan, parse_size
 from geserve.repository.holder import LocalHolder
 from geserve.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 DEMAND_LOAD, EVICT = "demand_load", "budget_evict"
 BUDGET_CALLS = frozenset(
@@ -105,7 +107,9 @@ class WorkersHolder:
             await load
         finally:
             own: list[Charges] = await self._workers.ask_each("budget_measured", ())
-            charges = scaled(own, memory.total_pss(self._workers.pids()) - before)
+            grown = memory.total_pss(self._workers.pids()) - before
+            charges = scaled(own, grown)
+            logger.debug("a load added %d bytes to the workers' PSS; each measured its own: %s", grown, own)
             if charges:
                 await self._workers.ask_each("budget_charges", (charges,))
         return charges
@@ -149,9 +153,10 @@ async def answer(holder: LocalHolder, method: str, args: tuple[Any, ...]) -> Any
         return await holder.evict(*args)
     if method == DEMAND_LOAD:
         return await holder.load_missing(*args)
-    if method == "budget_settle":  # a measurement starts: what was built before is not its, and the heap is trimmed
+    if method == "budget_settle":  # a measurement starts: not with what was built before, nor garbage or free heap
         holder.take_measured()
-        return await asyncio.to_thread(memory.trim_heap)
+        await memory.settled_pss()
+        return None
     if method == "budget_measured":
         return holder.take_measured()
     charges: Charges = args[0]  # budget_charges: the server-wide charges, for the index and the statistics

@@ -56,3 +56,36 @@ def mlp(repo: Path, name: str, seed: int, hidden: int, extra: str = "") -> Path:
 
 
 PINNED = 'parameters { key: "pinned" value: { string_value: "true" } }'
+
+
+def tree_pss(root: int) -> int:
+    """Bytes of PSS of process `root` and all its descendants (a page they share counts once): what the server costs
+    the machine."""
+    total, pending = 0, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+            pending += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def samples(exposition: str, family: str) -> dict[str, float]:
+    """The samples of one metric family in Prometheus text, by their label text (`model="m1",version="1"`)."""
+    found: dict[str, float] = {}
+    for line in exposition.splitlines():
+        if line.startswith(family + "{") or line.startswith(family + " "):
+            key, _, value = line.rpartition(" ")
+            found[key[len(family) :].strip("{}")] = float(value)
+    return found
+
+
+def zipf(count: int, exponent: float) -> np.ndarray:
+    """Popularity of `count` models ranked 1..count: p(k) proportional to k^-exponent."""
+    weights = np.arange(1, count + 1, dtype=np.float64) ** -exponent
+    return weights / weights.sum()

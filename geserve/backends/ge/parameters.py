@@ -128,6 +128,7 @@ _SETTERS: dict[str, Callable[[GeOptions, str, str], None]] = {
 _HANDLED_ELSEWHERE = {
     "batch_gears", "adaptive_batching_target_p99_ms", "early_batch_dispatch",  # the scheduler's
     "overload_control", "overload_queue_budget_ms",  # admission control's (scheduling/admission.py)
+    "pinned",  # the memory budget's (repository/budget.py)
     "compile_precision_mode", "compile_dynamic_batch_size", "compile_quantize", "compile_calibration_data",
     "compile_input_shape", "compile_out_nodes", "compile_insert_op_conf", "compile_target",
     "compile_keep_fp32",  # the compiler's
@@ -174,6 +175,8 @@ PARAMETER_DESCRIPTIONS = {
                         "concurrency limit, priorities shed lowest first, the deadline budget.",
     "overload_queue_budget_ms": "Admission control: the longest a request without a deadline may expect to queue; "
                                 "one expected to wait longer is refused (503 + Retry-After).",
+    "pinned": "Memory budget: true keeps this model loaded, never unloaded to make room for another "
+              "(--model-memory-budget).",
     "compile_precision_mode": "Compile on first load: --precision-mode (force_fp32, force_fp16, ...).",
     "compile_dynamic_batch_size": "Compile on first load: --dynamic-batch-size, the batch gears.",
     "compile_quantize": "Compile on first load: --quantize (none, int8).",
