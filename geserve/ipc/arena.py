@@ -16,6 +16,7 @@ An array the segment has no room for goes in the frame, never fails.
 from __future__ import annotations
 
 import bisect
+import copyreg
 import io
 import mmap
 import os
@@ -26,9 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-from geserve.errors import GeserveError
-from geserve.ipc.peer import error_state, rebuild_error
 
 SHARED_FROM_BYTES = 64 * 1024  # smaller arrays travel in the frame (measured: no faster through the segment)
 KEEP_BYTES = 64 * 1024 * 1024  # idle pages above the blocks in use kept mapped, so the next large array faults none
@@ -52,7 +50,8 @@ class Segment:
     """One memfd mapped into this process (the mapping keeps its own descriptor: `fd` may be closed after)."""
 
     def __init__(self, fd: int) -> None:
-        self.capacity = os.fstat(fd).st_size
+        status = os.fstat(fd)
+        self.capacity, self.inode = status.st_size, status.st_ino
         self._map = mmap.mmap(fd, self.capacity)
         self.view = memoryview(self._map)
 
@@ -68,6 +67,7 @@ class ArenaWriter:
 
     def __init__(self, segment: Segment) -> None:
         self._segment = segment
+        self.inode = segment.inode
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, segment.capacity)]  # (offset, size), by offset, coalesced
         self._used: dict[int, int] = {}  # offset -> size
@@ -130,6 +130,7 @@ class ArenaReader:
 
     def __init__(self, segment: Segment, released: Callable[[int], None]) -> None:
         self._segment = segment
+        self.inode = segment.inode
         self._released = released
 
     def view(self, offset: int, nbytes: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
@@ -139,48 +140,45 @@ class ArenaReader:
         return root.reshape(shape)
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, writer: ArenaWriter | None) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._writer = writer
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, GeserveError):  # its code and failure reason, which an exception's pickle loses
-            return ("e", error_state(obj))
-        if type(obj) is np.ndarray and obj.nbytes >= SHARED_FROM_BYTES and not obj.dtype.hasobject:
-            writer = self._writer
-            offset = writer.place(obj) if writer is not None else None
-            if offset is not None:
-                return ("a", offset, obj.nbytes, obj.dtype, obj.shape)
-        return None
+# The readers of this process, by their segment's inode (the same in both processes): an array placed in a segment
+# is rebuilt, by plain unpickling, as a view through the reader of that segment.
+_READERS: weakref.WeakValueDictionary[int, ArenaReader] = weakref.WeakValueDictionary()
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, reader: ArenaReader | None) -> None:
-        super().__init__(file)
-        self._reader = reader
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] == "e":
-            return rebuild_error(pid[1])
-        if pid[0] == "a" and self._reader is not None:
-            return self._reader.view(*pid[1:])
-        raise pickle.UnpicklingError(f"unknown persistent id {pid[0]!r}")
+def _placed(inode: int, offset: int, nbytes: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+    reader = _READERS.get(inode)
+    if reader is None:
+        raise pickle.UnpicklingError("an array lies in a shared memory segment this process does not read")
+    return reader.view(offset, nbytes, dtype, shape)
 
 
 class SharedArrayCodec:
     """A Peer codec (ipc/peer.py) that sends large arrays through `writer`'s segment and views the other side's
-    through `reader`; errors keep their codes. Either may be None (that direction then uses the frame alone)."""
+    through `reader`. Either may be None (that direction then uses the frame alone). Only arrays reach Python code
+    while pickling (a dispatch table entry): every other object pickles at C speed, errors as themselves."""
 
     def __init__(self, writer: ArenaWriter | None, reader: ArenaReader | None) -> None:
         self.writer = writer
-        self.reader = reader
+        self.reader = reader  # the registry below holds it weakly
+        if reader is not None:
+            _READERS[reader.inode] = reader
+        self._table = {**copyreg.dispatch_table, np.ndarray: self._reduce_array}
+
+    def _reduce_array(self, array: np.ndarray) -> Any:
+        writer = self.writer
+        if writer is not None and array.nbytes >= SHARED_FROM_BYTES and not array.dtype.hasobject:
+            offset = writer.place(array)
+            if offset is not None:
+                return _placed, (writer.inode, offset, array.nbytes, array.dtype, array.shape)
+        return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
     def dumps(self, message: tuple[Any, ...]) -> bytes:
         buffer = io.BytesIO()
-        _Pickler(buffer, self.writer).dump(message)
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = self._table
+        pickler.dump(message)
         return buffer.getvalue()
 
     def loads(self, data: bytes) -> tuple[Any, ...]:
-        result: tuple[Any, ...] = _Unpickler(io.BytesIO(data), self.reader).load()
+        result: tuple[Any, ...] = pickle.loads(data)
         return result

@@ -1,5 +1,6 @@
 """Either end of the connection between the server and a Python model's own process: a Peer (ipc/peer.py) over a
-socket pair, whose large arrays cross through two shared memory segments (ipc/arena.py), one per direction.
+socket pair, whose large arrays cross through two shared memory segments (ipc/arena.py), one per direction. (The
+batches to execute take a lane of their own, ipc/lane.py, with the same codec.)
 
 Blocks the other side let go of come back as one `release` notice per loop turn, whichever threads dropped them.
 """
@@ -28,7 +29,7 @@ class Channel:
         self.loop = loop
         self._name = name
         self._writer = ArenaWriter(Segment(out_fd))
-        self._codec = SharedArrayCodec(self._writer, ArenaReader(Segment(in_fd), self._released))
+        self.codec = SharedArrayCodec(self._writer, ArenaReader(Segment(in_fd), self._released))
         self._to_release: list[int] = []
         # Re-entrant: a finalizer may run on a thread that holds it (a collection while it swaps the list).
         self._release_lock = threading.RLock()
@@ -42,7 +43,7 @@ class Channel:
             return await handler(method, args)
 
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        self._peer = Peer(reader, writer, handle, self._codec, name=self._name)
+        self._peer = Peer(reader, writer, handle, self.codec, name=self._name)
         self._peer.start()
 
     @property

@@ -126,7 +126,7 @@ class IsolatedInstance(ModelInstance):
         keys = [session.hold(request) for request in requests]
         try:
             batch = [request_fields(key, request) for key, request in zip(keys, requests, strict=True)]
-            results: Results = running.process.channel.call_threadsafe("execute", batch).result()
+            results: Results = running.process.lane.call("execute", batch)
         except PeerGone:
             results = self._failed(requests, self._lost(running, running.process.poll(STOP_WAIT_S)))
         except GeserveError as exc:

@@ -1,7 +1,8 @@
 """One isolated Python model instance's process, as the server holds it: started (a fresh interpreter running
 isolation/stub.py, never a fork of the server's threads), connected, watched until it ends, and ended.
 
-It gets a socket pair and two sparse shared memory segments at start (inherited descriptors), runs in a session of
+It gets two socket pairs (its channel, and the lane batches to execute take) and two sparse shared memory segments at
+start (inherited descriptors), runs in a session of
 its own (a terminal's Ctrl-C is the server's to act on) and ends when its channel closes, so a server killed outright
 takes its model processes with it.
 """
@@ -23,6 +24,7 @@ import geserve.errors
 from geserve.backends.python.isolation.channel import Channel, Handler
 from geserve.errors import GeserveError, UnavailableError
 from geserve.ipc.arena import create_segment
+from geserve.ipc.lane import Lane
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +57,11 @@ class ModelProcess:
     """A started process and its channel; `ended` is set once the channel closed (the process exited, or is about
     to: `wait` has its exit status)."""
 
-    def __init__(self, name: str, process: subprocess.Popen[bytes], channel: Channel) -> None:
+    def __init__(self, name: str, process: subprocess.Popen[bytes], channel: Channel, lane: socket.socket) -> None:
         self.name = name
         self.process = process
         self.channel = channel
+        self.lane = Lane(lane, channel.codec)  # execute(): from the instance's thread straight to the model's
         # Its exit, seen on the loop through a pidfd: waiting takes no thread (the loads that start processes may
         # hold every thread of the loop's default executor, waiting on this very loop).
         self._exited = asyncio.Event()
@@ -87,20 +90,21 @@ class ModelProcess:
         exits first."""
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
+        lane, their_lane = socket.socketpair()
         to_stub, from_stub = create_segment(name=f"{name}-in"), create_segment(name=f"{name}-out")
+        passed = (theirs.fileno(), their_lane.fileno(), to_stub, from_stub)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", STUB_MODULE, str(theirs.fileno()), str(to_stub), str(from_stub),
-                 str(logging.getLogger().getEffectiveLevel())],
-                pass_fds=(theirs.fileno(), to_stub, from_stub), start_new_session=True, stdin=subprocess.DEVNULL,
-                env=_environment(),
+                [sys.executable, "-m", STUB_MODULE, *map(str, passed), str(logging.getLogger().getEffectiveLevel())],
+                pass_fds=passed, start_new_session=True, stdin=subprocess.DEVNULL, env=_environment(),
             )
             channel = Channel(loop, out_fd=to_stub, in_fd=from_stub, name=f"python-model-{name}")
         finally:
             theirs.close()
+            their_lane.close()
             os.close(to_stub)
             os.close(from_stub)
-        started = cls(name, process, channel)
+        started = cls(name, process, channel, lane)
         try:
             await channel.open(ours, handler)
             await asyncio.wait_for(channel.call("hello"), START_TIMEOUT_S)
@@ -127,6 +131,7 @@ class ModelProcess:
 
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """Close the channel (the process exits on its own), killing it if it has not within `timeout`."""
+        self.lane.close()
         await self.channel.close()
         status = await self.wait(timeout)
         if status is None:

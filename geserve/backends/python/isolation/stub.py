@@ -1,8 +1,10 @@
 """The program an isolated Python model instance runs as: `python -m geserve.backends.python.isolation.stub SOCKET
-TO_STUB FROM_STUB LEVEL` (descriptors its server passed: the socket, the segment it reads, the segment it writes).
+LANE TO_STUB FROM_STUB LEVEL` (descriptors its server passed: its channel, the lane of the batches to execute, the
+segment it reads, the segment it writes; the server's log level).
 
-It serves the server's calls (initialize, execute, is_ready, finalize, auto_complete) on the backend's own
-PythonInstance, whose code runs on threads of its own while this process' event loop carries the channel. It ends
+It serves the server's calls (initialize, is_ready, finalize, auto_complete on the channel; execute on the lane) on
+the backend's own PythonInstance, whose code runs on threads of its own while this process' event loop carries the
+channel. It ends
 when the server closes the channel (after finalize, or the server is gone); signals to the server's process group
 (Ctrl-C, a service manager's SIGTERM) are the server's to act on, which finalizes the model first.
 """
@@ -16,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +37,8 @@ from geserve.backends.python.isolation.remote import (
 )
 from geserve.config import ModelConfig, message_to_json_dict
 from geserve.errors import InternalError
+from geserve.ipc import lane
+from geserve.types import InferenceRequest
 
 _T = TypeVar("_T")
 
@@ -57,8 +62,6 @@ class Stub:
             return os.getpid()
         if method == "initialize":
             return await self._on_model_thread(self._initialize, *args)
-        if method == "execute":
-            return await self._on_model_thread(self._execute, args[0])
         if method == "is_ready":
             return await asyncio.to_thread(self._ready().is_ready)  # as the server asks: while it may execute
         if method == "finalize":
@@ -85,9 +88,15 @@ class Stub:
         self._instance = instance
         return instance.checks_readiness
 
-    def _execute(self, batch: list[RequestFields]) -> list[Any]:
-        requests = [RemoteRequest.adopt(fields, self._channel) for fields in batch]
-        return self._ready().execute(requests).results  # type: ignore[arg-type]  # RemoteRequest is one
+    def serve_lane(self, sock: socket.socket) -> None:
+        """Execute the batches the lane brings, on this (the lane's own) thread."""
+        lane.serve(sock, self._channel.codec, self._lane_call)
+
+    def _lane_call(self, method: str, batch: list[RequestFields]) -> list[Any]:
+        if method != "execute":
+            raise InternalError(f"unknown call '{method}' on a Python model's lane")
+        requests: list[InferenceRequest] = [RemoteRequest.adopt(fields, self._channel) for fields in batch]
+        return self._ready().execute(requests).results
 
     def _finalize(self) -> None:
         if self._instance is not None:
@@ -101,7 +110,7 @@ class Stub:
         return message_to_json_dict(config)
 
 
-async def serve(sock: socket.socket, to_stub: int, from_stub: int) -> None:
+async def serve(sock: socket.socket, lane_sock: socket.socket, to_stub: int, from_stub: int) -> None:
     channel = Channel(asyncio.get_running_loop(), out_fd=from_stub, in_fd=to_stub, name="python-model-stub")
     os.close(to_stub)
     os.close(from_stub)
@@ -110,17 +119,18 @@ async def serve(sock: socket.socket, to_stub: int, from_stub: int) -> None:
     metrics.set_default_store(stub.store)
     logging.getLogger().addHandler(ForwardingHandler(channel))
     await channel.open(sock, stub.handle)
+    threading.Thread(target=stub.serve_lane, args=(lane_sock,), name="execute", daemon=True).start()
     await channel.closed.wait()
 
 
 def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    sock_fd, to_stub, from_stub, level = (int(value) for value in argv)
+    sock_fd, lane_fd, to_stub, from_stub, level = (int(value) for value in argv)
     logging.getLogger().setLevel(level)  # the server's level at start; it filters again by its own on arrival
     logging.getLogger("geserve.python_model").setLevel(logging.DEBUG)  # pb_utils.Logger: verbose may be turned on
     try:
-        asyncio.run(serve(socket.socket(fileno=sock_fd), to_stub, from_stub))
+        asyncio.run(serve(socket.socket(fileno=sock_fd), socket.socket(fileno=lane_fd), to_stub, from_stub))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
