@@ -26,6 +26,7 @@ input [
 output [
   { name: "embedding", data_type: TYPE_FP32, dims: [ 384 ] }
 ]
+dynamic_batching { }
 instance_group [ { count: 1, kind: KIND_CPU } ]
 parameters { key: "EXECUTOR_TYPE", value: { string_value: "GE" } }
 """
