@@ -3,13 +3,15 @@ same all-MiniLM-L6-v2 weights, the same cores and the same ONNX Runtime thread c
 
 geserve serves the example `text_embedding` pipeline (tokenizer -> MiniLM on the GE backend). infinity (0.0.78, its
 own venv .venv-infinity from locks/infinity-py3.11.txt, installed here by scripts/install_infinity.sh) serves the same
-weights with its ONNX Runtime engine (`--engine optimum`): infinity needs an ONNX file beside the weights, which the
-weights' package does not ship and optimum 1.27's exporter cannot make with torch 2.13 (it imports a name torch
-removed), so this script exports one with the main venv's torch from the same safetensors, through the same
-hand-written BERT as examples/build_minilm.py, without the pooling (infinity pools and normalizes itself). Two
-workarounds for infinity on a local folder: it lists the ONNX file by its absolute path, which optimum then refuses
-("Could not find any ONNX files with target file name /.../model.onnx, only found: [model.onnx]"), so infinity runs
-in the folder with `--model-id .`; and HF_HUB_OFFLINE=1 keeps it off the network.
+weights offline with its ONNX Runtime engine (`--engine optimum`, mean pooling, batch size 32). What it takes to get
+there, each step said where it is done: infinity's ONNX engine wants an ONNX file of token embeddings beside the
+weights, which the weights' package does not ship, so one is exported here with the main venv's torch from the same
+safetensors through examples/build_minilm.py's BERT, without its pooling (infinity pools and normalizes itself);
+infinity lists a local folder's ONNX file by its absolute path, which optimum then refuses ("Could not find any ONNX
+files with target file name /.../model.onnx, only found: [model.onnx]"), so it runs in the folder with
+`--model-id .`; its graph optimization fails with optimum 2 (`fuse_for_infinity` says why), so its result is put in
+infinity's cache; and HF_HUB_OFFLINE=1 keeps it off the network. Its `auto` pooling took CLS on this folder:
+`--pooling-method mean` is the model's. The report's agreement line checks that both serve the same vectors.
 
 Load: closed-loop clients on keep-alive connections from a generator process of its own (bench/overload_bench.py's),
 batch-1 requests at concurrency 1, 8 and 32, and lists of 32 sentences at 1 and 4; real sentences (the MiniLM model
@@ -281,6 +283,23 @@ def report(samples: dict[tuple[str, str, int], list[dict[str, float]]], meta: di
     return "\n".join(lines), all(ok for _, ok in targets)
 
 
+def measure(generator: Generator, endpoints: dict[str, Endpoint], texts: list[str], rounds: int,
+            seconds: float) -> dict[tuple[str, str, int], list[dict[str, float]]]:
+    """Every cell, each round, the systems alternating which goes first."""
+    for system in SYSTEMS:  # warm both: first calls load the tokenizer, fill the arenas
+        cell(generator, endpoints[system], "single", 8, texts, 2.0)
+    samples: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+    for round_index in range(rounds):
+        for kind, concurrency in CELLS:
+            for system in SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]:
+                measured = cell(generator, endpoints[system], kind, concurrency, texts, seconds)
+                samples.setdefault((system, kind, concurrency), []).append(measured)
+                print(f"round {round_index + 1} {system:8} {kind:6} c={concurrency:<2} "
+                      f"{measured['sentences_s']:7.0f} sentences/s  p50 {measured['p50_ms']:6.1f} ms  "
+                      f"p99 {measured['p99_ms']:6.1f} ms  others' CPU {measured['others_cpu']:.0%}", flush=True)
+    return samples
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one round of 5 s cells")
@@ -293,7 +312,6 @@ def main() -> int:
     subprocess.run(["bash", str(ROOT / "scripts" / "install_infinity.sh")], check=True)
     texts = sentences()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    samples: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     with ExitStack() as stack:
         stack.callback(generator.stop)
         endpoints = {
@@ -301,17 +319,7 @@ def main() -> int:
             "infinity": stack.enter_context(infinity(infinity_model(), RESULTS / "embeddings.infinity.log")),
         }
         similarity = agreement(endpoints, texts[:64])
-        for system in SYSTEMS:  # warm both: first calls load the tokenizer, fill arenas
-            cell(generator, endpoints[system], "single", 8, texts, 2.0)
-        for round_index in range(rounds):
-            for kind, concurrency in CELLS:
-                order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
-                for system in order:
-                    measured = cell(generator, endpoints[system], kind, concurrency, texts, seconds)
-                    samples.setdefault((system, kind, concurrency), []).append(measured)
-                    print(f"round {round_index + 1} {system:8} {kind:6} c={concurrency:<2} "
-                          f"{measured['sentences_s']:7.0f} sentences/s  p50 {measured['p50_ms']:6.1f} ms  "
-                          f"p99 {measured['p99_ms']:6.1f} ms", flush=True)
+        samples = measure(generator, endpoints, texts, rounds, seconds)
     from geserve.version import __version__
 
     meta = {

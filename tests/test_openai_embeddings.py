@@ -114,7 +114,7 @@ def test_one_string_is_the_kserve_vector_and_counts_its_tokens(
 def test_a_list_of_64_is_64_rows_of_one_request_in_order(
     client: openai.OpenAI, kserve: httpclient.InferenceServerClient, tokenizer: Tokenizer
 ) -> None:
-    texts = [f"{SENTENCES[i % 3]} Sentence number {i}." for i in range(64)]
+    texts = [f"{SENTENCES[i % 3]} Sentence number {i}." for i in range(64)]  # 12 to 16 tokens: one length
     before = _stats(kserve, "text_embedding")
     response = client.embeddings.create(model="text_embedding", input=texts, encoding_format="float")
     after = _stats(kserve, "text_embedding")
@@ -136,6 +136,23 @@ def test_more_texts_than_a_batch_go_as_several_requests(
     assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 3
     assert after["inference_count"] - before["inference_count"] == 150
     expected = np.concatenate([_v2(kserve, texts[i : i + 64]) for i in range(0, 150, 64)])
+    assert (_cosines(_vectors(response), expected) >= 0.9999).all()
+
+
+def test_texts_of_other_lengths_go_in_requests_of_their_own_in_order(
+    client: openai.OpenAI, kserve: httpclient.InferenceServerClient, tokenizer: Tokenizer
+) -> None:
+    long = "A much longer sentence that goes on and on, about many things, with many more words than the others do."
+    texts = ["short one", long, "short two", long + " Again.", "short three"]
+    assert len(tokenizer.encode(long).ids) > 16 + len(tokenizer.encode("short three").ids)
+    before = _stats(kserve, "text_embedding")
+    response = client.embeddings.create(model="text_embedding", input=texts, encoding_format="float")
+    after = _stats(kserve, "text_embedding")
+    # The short ones in one request, the long ones in another: a request is padded to its longest text.
+    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 2
+    assert after["inference_count"] - before["inference_count"] == 5
+    assert [item.index for item in response.data] == list(range(5))
+    expected = np.concatenate([_v2(kserve, [text]) for text in texts])
     assert (_cosines(_vectors(response), expected) >= 0.9999).all()
 
 

@@ -30,7 +30,11 @@ from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.tensors import InputTensor, RequestedOutput
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
+# Larger inputs are tokenized on a thread, not the event loop (2,000 characters take about a millisecond here)
+_INLINE_CHARACTERS = 2_000
 _OFF = "the OpenAI-compatible API is turned off on this server (--openai-api off)"
+# Texts whose token counts are within this many of each other go in one request (`_groups`).
+_LENGTH_STEP = 16
 
 
 class EmbeddingsError(GeserveError):
@@ -137,9 +141,12 @@ class Embeddings:
         model = self._resolve(call.model)
         exposed = await self._exposure(model)
         size = _size(call.model, exposed.spec, call.dimensions)
-        texts, tokens = _prepared(call, exposed.tokenizer, exposed.spec.truncate)
-        vectors = await self._vectors(call.model, exposed.spec, texts, context)
-        return EmbeddingsResult(call.model, _cut(vectors, size), tokens)
+        if _size_of(call) > _INLINE_CHARACTERS:  # tokenizing it would hold the loop: tokenizers lets go of the GIL
+            texts, counts = await asyncio.to_thread(_prepared, call, exposed.tokenizer, exposed.spec.truncate)
+        else:
+            texts, counts = _prepared(call, exposed.tokenizer, exposed.spec.truncate)
+        vectors = await self._vectors(call.model, exposed.spec, texts, counts, context)
+        return EmbeddingsResult(call.model, _cut(vectors, size), sum(counts))
 
     def _check_on(self) -> None:
         if not self.enabled:
@@ -168,11 +175,13 @@ class Embeddings:
             exposed = self._exposed[model.name] = _Exposed(model.config, spec, tokenizer)
         return exposed
 
-    async def _vectors(self, name: str, spec: EmbeddingsSpec, texts: list[str], context: CallContext) -> np.ndarray:
-        """One inference per `rows_per_request` texts, all submitted at once (the scheduler batches them)."""
-        step = spec.rows_per_request
-        chunks = [texts[i : i + step] for i in range(0, len(texts), step)]
-        requests = [_request(name, spec, chunk) for chunk in chunks]
+    async def _vectors(
+        self, name: str, spec: EmbeddingsSpec, texts: list[str], counts: list[int], context: CallContext
+    ) -> np.ndarray:
+        """The texts' vectors, in their order, from inferences of texts of about the same length (`_groups`), all
+        submitted at once: the model's scheduler batches them, with every other request of the same shape."""
+        groups = _groups(counts, spec.rows_per_request)
+        requests = [_request(name, spec, [texts[i] for i in group]) for group in groups]
         if len(requests) == 1:
             responses = [await self._door.infer(requests[0], context)]
         else:  # each in a context of its own (a traced request's trace is its context's), their traces sent as one
@@ -181,7 +190,12 @@ class Embeddings:
             traces = [c.trace for c in contexts if c.trace is not None]
             if traces:
                 context.trace = _Traces(traces)
-        return np.concatenate([_output(r, spec, len(chunk)) for r, chunk in zip(responses, chunks, strict=True)])
+        if len(groups) == 1 and groups[0] == list(range(len(texts))):
+            return _output(responses[0], spec, len(texts))
+        vectors = np.empty((len(texts), spec.size), dtype=np.float32)
+        for response, group in zip(responses, groups, strict=True):
+            vectors[group] = _output(response, spec, len(group))
+        return vectors
 
 
 def _spec(model: LoadedModel) -> EmbeddingsSpec:
@@ -252,13 +266,27 @@ def _size(name: str, spec: EmbeddingsSpec, dimensions: int | None) -> int:
     )
 
 
-def _prepared(call: EmbeddingsCall, tokenizer: _Tokenizer, truncate: bool) -> tuple[list[str], int]:
+def _groups(counts: list[int], rows: int) -> list[list[int]]:
+    """The texts' indices in groups of at most `rows`, each of texts of about the same length (their token counts
+    within one `_LENGTH_STEP`): a model pads a request's texts to its longest, so a long text does not make the short
+    ones of its call cost as much as itself. In the texts' order where they are all of one length."""
+    steps = [(count - 1) // _LENGTH_STEP for count in counts]
+    order = sorted(range(len(counts)), key=steps.__getitem__)  # stable: the texts' order within a length
+    groups: list[list[int]] = []
+    for index in order:
+        if not groups or len(groups[-1]) == rows or steps[groups[-1][0]] != steps[index]:
+            groups.append([])
+        groups[-1].append(index)
+    return groups
+
+
+def _prepared(call: EmbeddingsCall, tokenizer: _Tokenizer, truncate: bool) -> tuple[list[str], list[int]]:
     """The texts to embed (token arrays decoded; texts over the limit cut, where the model truncates) and the tokens
-    they take, counted by the model's tokenizer."""
+    each takes, counted by the model's tokenizer."""
     texts = list(call.texts) if call.texts is not None else _decoded(call.tokens or [], tokenizer)
     encoder = tokenizer.encoder
     encodings = [encoder.encode(texts[0])] if len(texts) == 1 else encoder.encode_batch(texts)
-    total = 0
+    counts = []
     for index, encoding in enumerate(encodings):
         count = len(encoding.ids)
         if count > tokenizer.limit:
@@ -272,8 +300,13 @@ def _prepared(call: EmbeddingsCall, tokenizer: _Tokenizer, truncate: bool) -> tu
                 )
             texts[index] = _truncated(texts[index], encoding, tokenizer)
             count = tokenizer.limit
-        total += count
-    return texts, total
+        counts.append(count)
+    return texts, counts
+
+
+def _size_of(call: EmbeddingsCall) -> int:
+    """Characters of the texts, or token ids of the arrays."""
+    return sum(map(len, call.texts)) if call.texts is not None else sum(map(len, call.tokens or ()))
 
 
 def _decoded(arrays: list[list[int]], tokenizer: _Tokenizer) -> list[str]:

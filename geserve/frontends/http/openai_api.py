@@ -53,19 +53,26 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
         raise EmbeddingsError(f"'input' must be {_INPUT_SHAPES}, and not empty", param="input")
     if all(_is_token(v) for v in value):  # one input, as token ids
         return None, [value]
-    if all(isinstance(v, str) for v in value):
-        texts: list[str] | None = value
-    elif all(isinstance(v, list) and all(_is_token(t) for t in v) for v in value):
-        texts = None
-    else:
-        raise EmbeddingsError(f"'input' must be {_INPUT_SHAPES}", param="input")
     if len(value) > MAX_INPUTS:
         raise EmbeddingsError(f"'input' may hold at most {MAX_INPUTS} inputs, got {len(value)}", param="input")
-    return (texts, None) if texts is not None else (None, value)
+    return _several(value)
+
+
+def _several(value: list[Any]) -> tuple[list[str] | None, list[list[int]] | None]:
+    """A list of inputs: all texts, or all token arrays."""
+    if all(isinstance(v, str) for v in value):
+        return value, None
+    if all(_is_token_array(v) for v in value):
+        return None, value
+    raise EmbeddingsError(f"'input' must be {_INPUT_SHAPES}", param="input")
 
 
 def _is_token(value: Any) -> bool:
     return type(value) is int  # not a bool
+
+
+def _is_token_array(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_token(v) for v in value)
 
 
 def embeddings_body(result: EmbeddingsResult, encoding: str) -> bytes:
