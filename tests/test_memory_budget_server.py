@@ -96,11 +96,11 @@ def _x(seed: int) -> np.ndarray:
     return np.random.default_rng(1000 + seed).standard_normal((1, WIDTH)).astype(np.float32)
 
 
-def _infer(client: httpclient.InferenceServerClient, seed: int) -> None:
+def _infer(client: httpclient.InferenceServerClient, seed: int, name: str = "") -> None:
     x = _x(seed)
     tensor = httpclient.InferInput("IN", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
-    answer = client.infer(f"m{seed}", [tensor]).as_numpy("OUT")
+    answer = client.infer(name or f"m{seed}", [tensor]).as_numpy("OUT")
     np.testing.assert_allclose(answer, expected(seed, HIDDEN, x), rtol=1e-4, atol=1e-4)
 
 
@@ -114,13 +114,13 @@ def calibration(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Calibra
     with _server(repo, tmp_path_factory.mktemp("logs") / "calibration.log", "1GiB") as server:
         _ready(server)
         client = httpclient.InferenceServerClient(server.url)
-        for seed in range(4):
+        for seed in range(6):
             _infer(client, seed)
         charges = _charges(server)
-    sizes = [charges[f"m{i}"] for i in range(1, 4)]
-    assert max(sizes) - min(sizes) < 0.1 * max(sizes), charges  # measured alike
-    assert charges["m0"] >= max(sizes)
-    return Calibration(charges["m0"], max(sizes))
+    sizes = sorted(charges[f"m{i}"] for i in range(1, 6))
+    assert sizes[-1] - sizes[0] < 0.15 * sizes[-1], charges  # measured alike
+    assert charges["m0"] >= sizes[-1]
+    return Calibration(charges["m0"], sizes[2])
 
 
 def test_the_least_recently_used_idle_model_makes_room(repo: Path, calibration: Calibration, tmp_path: Path) -> None:
@@ -215,6 +215,12 @@ def test_memory_comes_back_after_unloads(tmp_path: Path) -> None:
         def cycle() -> tuple[int, int]:
             for name in names:
                 client.load_model(name)
+            _infer(client, 7, "mlp")
+            ids = np.random.default_rng(0).integers(0, 30522, (8, 128)).astype(np.int64)  # most embedding rows
+            tensors = [httpclient.InferInput(n, [8, 128], "INT64") for n in ("input_ids", "attention_mask")]
+            tensors[0].set_data_from_numpy(ids)
+            tensors[1].set_data_from_numpy(np.ones_like(ids))
+            client.infer("minilm", tensors)
             loaded = tree_pss(server.process.pid)
             for name in names:
                 client.unload_model(name)
@@ -225,7 +231,7 @@ def test_memory_comes_back_after_unloads(tmp_path: Path) -> None:
         base = tree_pss(server.process.pid)
         for _ in range(5):
             loaded, after = cycle()
-            assert loaded - base > 100 << 20, (loaded, base)  # MiniLM's weights once, the Python model's twice
+            assert loaded - base > 150 << 20, (loaded, base)  # MiniLM's weights once, the Python model's twice
             assert after - base < 12 << 20, f"{(after - base) / 2**20:.1f} MiB stayed after unloading"
 
 
@@ -302,7 +308,8 @@ def test_thirty_models_three_times_the_budget_under_zipf_traffic(
             thread.start()
         charged: dict[str, int] = {}
         while any(t.is_alive() for t in threads):
-            charged.update(_charges(server))
+            for name, size in _charges(server).items():
+                charged[name] = max(size, charged.get(name, 0))
             time.sleep(1.0)
         for thread in threads:
             thread.join()
@@ -317,7 +324,8 @@ def test_thirty_models_three_times_the_budget_under_zipf_traffic(
         assert 'model="slow"' not in evictions and 'model="m0"' not in evictions
         assert sum(evictions.values()) > MODELS  # the models really took turns
         charged.pop("slow", None)
-        assert len(charged) == MODELS and 2.7 < sum(charged.values()) / budget < 3.3, charged
+        ratio = sum(charged.values()) / budget
+        assert len(charged) == MODELS and 2.7 < ratio < 3.3, (ratio, len(charged), budget)
         limit = (budget + base) * MARGIN
         print(f"\n{sum(answered)} answers; {int(sum(evictions.values()))} evictions; budget {budget / 2**20:.1f} MiB, "
               f"base {base / 2**20:.1f} MiB, peak PSS {peak[0] / 2**20:.1f} MiB (limit {limit / 2**20:.1f})")

@@ -22,6 +22,7 @@ from geserve.metrics.collector import build_registry
 from geserve.metrics.config import MetricsConfig
 from geserve.metrics.latency import LatencyRecorder
 from geserve.metrics.system import CpuReading, CpuSampler
+from geserve.repository.budget import ON_DEMAND, BudgetSnapshot, LoadHistogram
 from geserve.repository.model import LoadedModel, ModelState
 from geserve.repository.versions import ModelRecord
 from geserve.scheduling.admission import Admission, AdmissionSettings
@@ -51,6 +52,7 @@ class _Setup:
     overload: bool = False
     cpu: bool = False
     gpu: bool = False
+    budget: bool = False
 
 
 # In order: a family appears under the first condition whose collection holds it and the unconditional one does not.
@@ -62,6 +64,7 @@ _CONDITIONS = (
      _Setup(config=MetricsConfig(), cached=True)),
     ("a model under admission control (`--overload-control on`, or its `overload_control` parameter)",
      _Setup(overload=True)),
+    ("`--model-memory-budget` or `--load-on-demand` (`ge_memory_budget_bytes` with a budget)", _Setup(budget=True)),
     ("`--allow-cpu-metrics` (default true), where /proc exists", _Setup(cpu=True)),
     ("`--allow-gpu-metrics` (default true), with NVML (`geserve[cuda]` and a driver)", _Setup(gpu=True)),
 )
@@ -69,6 +72,15 @@ _CONDITIONS = (
 
 class _Scheduler:
     inflight_count = 0
+
+
+class _Loads:
+    """The server's decider of loads (repository/budget.py) after one on-demand load that evicted a model."""
+
+    def snapshot(self) -> BudgetSnapshot:
+        loads = LoadHistogram()
+        loads.observe(ON_DEMAND, 0.05)
+        return BudgetSnapshot(1 << 30, {"model": {1: 1 << 20}}, {"other": 1}, {"model": 1}, loads)
 
 
 class _Manager:
@@ -118,7 +130,9 @@ class _Nvml:
 def collect(setup: _Setup) -> dict[str, Metric]:
     """The families one scrape returns in `setup`, by name."""
     paths = {"inline": 0, "queued": 0, "task": 0}  # InferenceService.paths, as a fresh server has them
-    registry = build_registry(_Manager(_model(setup)), setup.config, _cpu() if setup.cpu else None, paths=paths)
+    loads: Any = _Loads() if setup.budget else None
+    registry = build_registry(_Manager(_model(setup)), setup.config, _cpu() if setup.cpu else None, paths=paths,
+                              loads=loads)
     if setup.gpu:
         registry.register(GpuCollector(_Nvml()))
     return {family.name: family for family in registry.collect()}

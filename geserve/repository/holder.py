@@ -72,7 +72,9 @@ class LocalHolder:
         """Run `load` (a load through the manager); the charges of the versions it built."""
         self.take_measured()  # anything built outside a decision is not this one's
         await load
-        return self.take_measured()
+        return {
+            name: {v: sum(parts) for v, parts in versions.items()} for name, versions in self.take_measured().items()
+        }
 
     async def load_missing(self, name: str) -> None:
         """Load `name` unless a version of it serves."""
@@ -82,8 +84,8 @@ class LocalHolder:
         """The versions that serve."""
         return self._manager.models()
 
-    def take_measured(self) -> Charges:
-        """The charges of the versions built since the last call."""
+    def take_measured(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """What the versions built since the last call measured: bytes made resident, bytes mapped not yet resident."""
         return self._manager.take_measured()
 
 

@@ -217,8 +217,9 @@ class ModelManager:
             found.update(dict.fromkeys(self._graph.unload_order(name, serving)))
         return list(found)
 
-    def take_measured(self) -> dict[str, dict[int, int]]:
-        """The charges of the versions built since the last call (with LifecycleOptions.measure_memory)."""
+    def take_measured(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """What the versions built since the last call measured (with LifecycleOptions.measure_memory): bytes made
+        resident, and bytes mapped not yet resident (repository/memory.py)."""
         measured, self._versions.measured = self._versions.measured, {}
         return measured
 

@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import re
 import sys
 from collections.abc import Iterable
 from functools import cache
@@ -25,6 +26,7 @@ from functools import cache
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # glibc reads it once, as a process starts
+_MAPPING = re.compile(rb"^[0-9a-f]+-[0-9a-f]+ ")  # the first line of a mapping in /proc/<pid>/smaps
 
 
 def pss(pid: int = 0) -> int:
@@ -43,6 +45,34 @@ def pss(pid: int = 0) -> int:
             return int(statm.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def mapped_files() -> dict[str, tuple[int, int]]:
+    """This process's file mappings other than shared libraries (weights ONNX Runtime maps: the prepacked weights of
+    backends/ge/shared_weights.py), by path: (bytes mapped, bytes resident now). Linux only; empty elsewhere."""
+    found: dict[str, tuple[int, int]] = {}
+    path = ""
+    try:
+        with open("/proc/self/smaps", "rb") as smaps:
+            for line in smaps:
+                if _MAPPING.match(line):
+                    parts = line.split(maxsplit=5)
+                    name = parts[5].strip().decode(errors="replace") if len(parts) > 5 else ""
+                    path = name if name.startswith("/") and ".so" not in name else ""
+                elif path and line.startswith((b"Size:", b"Rss:")):
+                    size, rss = found.get(path, (0, 0))
+                    kib = int(line.split()[1]) * 1024
+                    found[path] = (size + kib, rss) if line.startswith(b"Size:") else (size, rss + kib)
+    except OSError:
+        return {}
+    return found
+
+
+def not_yet_resident(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> int:
+    """What the files mapped between `before` and `after` will add once their pages are read: mapped weights become
+    resident page by page as the model runs (an embedding table only as its rows are looked up), so a load is
+    charged their whole size, not only what it touched."""
+    return sum(size - rss for path, (size, rss) in after.items() if path not in before)
 
 
 def total_pss(pids: Iterable[int]) -> int:

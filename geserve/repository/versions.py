@@ -47,7 +47,8 @@ class VersionLifecycle:
     def __init__(self, builder: ModelBuilder, measure: bool = False) -> None:
         self._builder = builder
         self._measure = measure
-        self.measured: dict[str, dict[int, int]] = {}  # model -> version -> bytes, since last taken
+        # model -> version -> (bytes its build made resident, bytes it mapped that are not resident yet), since taken
+        self.measured: dict[str, dict[int, tuple[int, int]]] = {}
 
     async def load(
         self, record: ModelRecord, prepared: PreparedModel, steps: Mapping[str, ModelConfig], started: float
@@ -99,12 +100,14 @@ class VersionLifecycle:
             record.refresh_latest()
 
     async def _build(self, prepared: PreparedModel, version: int, steps: Mapping[str, ModelConfig]) -> VersionStatus:
-        before = await memory.settled_pss() if self._measure else 0
+        before, mapped = (await memory.settled_pss(), memory.mapped_files()) if self._measure else (0, {})
         try:
             model = await self._builder.build(prepared, version, steps)
             if self._measure:
-                model.memory = max(await memory.settled_pss() - before, 0)
-                self.measured.setdefault(model.name, {})[version] = model.memory
+                resident = max(await memory.settled_pss() - before, 0)
+                lazy = memory.not_yet_resident(mapped, memory.mapped_files())
+                model.memory = resident + lazy
+                self.measured.setdefault(model.name, {})[version] = (resident, lazy)
         except GeserveError as exc:
             logger.error("model '%s' version %d is unavailable: %s", prepared.config.name, version, exc.message)
             return VersionStatus(ModelState.UNAVAILABLE, exc.message)

@@ -26,6 +26,7 @@ from geserve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+Measured = dict[str, dict[int, tuple[int, int]]]  # a worker's own: model -> version -> (resident, mapped not yet)
 DEMAND_LOAD, EVICT = "demand_load", "budget_evict"
 BUDGET_CALLS = frozenset(
     {
@@ -106,29 +107,36 @@ class WorkersHolder:
         try:
             await load
         finally:
-            own: list[Charges] = await self._workers.ask_each("budget_measured", ())
+            own: list[Measured] = await self._workers.ask_each("budget_measured", ())
             grown = memory.total_pss(self._workers.pids()) - before
-            charges = scaled(own, grown)
+            charges = charged(own, grown)
             logger.debug("a load added %d bytes to the workers' PSS; each measured its own: %s", grown, own)
             if charges:
                 await self._workers.ask_each("budget_charges", (charges,))
         return charges
 
 
-def scaled(own: list[Charges], total: int) -> Charges:
+def charged(own: list[Measured], total: int) -> Charges:
     """The server-wide charges of the versions a load built: `total` bytes (what all the workers grew by, shared
-    pages once) shared out in proportion to what each worker measured of its own builds."""
-    summed: Charges = {}
-    for charges in own:
-        for name, versions in charges.items():
-            for version, size in versions.items():
-                summed.setdefault(name, {})[version] = summed.get(name, {}).get(version, 0) + size
-    count = sum(len(versions) for versions in summed.values())
-    grand = sum(sum(versions.values()) for versions in summed.values())
+    pages once) shared out in proportion to what each worker measured resident of its own builds, plus what the
+    version mapped that is not resident yet in any worker (the same files in every worker: their pages resident in
+    one are resident, and counted, already)."""
+    resident: Charges = {}
+    lazy: Charges = {}
+    for measured in own:
+        for name, versions in measured.items():
+            for version, (made, mapped) in versions.items():
+                resident.setdefault(name, {})[version] = resident.get(name, {}).get(version, 0) + made
+                known = lazy.setdefault(name, {}).get(version)
+                lazy[name][version] = mapped if known is None else min(known, mapped)
+    count = sum(len(versions) for versions in resident.values())
+    grand = sum(sum(versions.values()) for versions in resident.values())
     total = max(total, 0)
     return {
-        name: {v: (total * size // grand if grand > 0 else total // count) for v, size in versions.items()}
-        for name, versions in summed.items()
+        name: {
+            v: (total * made // grand if grand > 0 else total // count) + lazy[name][v] for v, made in versions.items()
+        }
+        for name, versions in resident.items()
     }
 
 
