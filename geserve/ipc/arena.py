@@ -4,9 +4,9 @@ array lies, the other side views it in place.
 Each direction has its own segment (a memfd both processes map), written by one side only: the writer places an
 array in a free block (first fit, so the low pages stay the warm ones), the reader views it with no copy, and when
 the reader's last reference to that view is gone it tells the writer, which frees the block. Measured on this
-2-core VM (bench/python_isolation_bench.py): a 16 MiB array crossed the asyncio socket in ~45 ms (0.37 GB/s: pickle's
-copy, the stream reader's buffers) and through the segment in a few ms (one copy in, none out); below
-`SHARED_FROM_BYTES` the socket is as fast and the array goes in the frame.
+2-core VM (bench/python_isolation_bench.py, one array to another process and a tiny answer back): in the frame 16 MiB
+took ~22 ms (pickle's copy, the socket's, the receiver's buffer) and 1 MiB 1.5 ms, through the segment 1.9 ms and
+0.16 ms (one copy in, none out); at 16-64 KiB both take ~100 µs, so smaller arrays go in the frame.
 
 The segment is sparse: its capacity is address space, and only the pages arrays were written to cost memory; pages
 above the highest block still in use are handed back to the kernel once more than `KEEP_BYTES` of them idle.
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-SHARED_FROM_BYTES = 64 * 1024  # smaller arrays travel in the frame (measured: no faster through the segment)
+SHARED_FROM_BYTES = 16 * 1024  # smaller arrays travel in the frame (measured: no faster through the segment)
 KEEP_BYTES = 64 * 1024 * 1024  # idle pages above the blocks in use kept mapped, so the next large array faults none
 DEFAULT_CAPACITY = 1 << 32  # address space per direction; only written pages cost memory
 _ALIGN = 64

@@ -37,6 +37,7 @@ class PythonBackend:
         self._settings = settings
         self._host = host
         self._custom_metrics = custom_metrics if custom_metrics is not None else CustomMetricStore()
+        self._spares = isolation.Spares()  # isolated models' auto-complete processes, for their first instances
         runtime.set_default_host(host)
         metrics.set_default_store(self._custom_metrics)
 
@@ -45,7 +46,7 @@ class PythonBackend:
         a short-lived process of its own for an isolated model, as Triton runs it in a stub."""
         path = model_file(config, source)
         if isolation.wanted(config):
-            isolation.complete_config(config, path, self._host, self._custom_metrics)
+            isolation.complete_config(config, path, self._host, self._custom_metrics, self._spares)
         else:
             completion.complete(config, path, self._custom_metrics)
 
@@ -71,7 +72,8 @@ class PythonBackend:
                 }
                 if isolated:
                     spec = isolation.InstanceSpec(name, config.name, str(path), outputs, decoupled, args)
-                    instance: ModelInstance = isolation.start_instance(spec, self._host, self._custom_metrics)
+                    instance: ModelInstance = isolation.start_instance(
+                        spec, self._host, self._custom_metrics, self._spares)
                 else:
                     module, scope = loader.import_for_instance(self._custom_metrics, path, config.name, name)
                     instance = PythonInstance(name, module, self._host, outputs, decoupled, scope)

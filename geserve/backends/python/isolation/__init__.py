@@ -18,6 +18,7 @@ from geserve.backends.base import InferenceHost
 from geserve.backends.python.isolation.instance import InstanceSpec, IsolatedInstance
 from geserve.backends.python.isolation.process import ModelProcess, how_it_ended
 from geserve.backends.python.isolation.session import Session
+from geserve.backends.python.isolation.spares import Spares, Started
 from geserve.backends.python.metrics import MetricStore
 from geserve.config import ModelConfig, message_to_json_dict
 from geserve.errors import InvalidArgumentError, UnavailableError
@@ -31,7 +32,7 @@ PARAMETER_DESCRIPTIONS = {
                "in the server's process.",
 }
 
-__all__ = ["PARAMETER", "InstanceSpec", "IsolatedInstance", "complete_config", "start_instance", "wanted"]
+__all__ = ["PARAMETER", "InstanceSpec", "IsolatedInstance", "Spares", "complete_config", "start_instance", "wanted"]
 
 
 def wanted(config: ModelConfig) -> bool:
@@ -46,38 +47,42 @@ def wanted(config: ModelConfig) -> bool:
     return MODES[value]
 
 
-def start_instance(spec: InstanceSpec, host: InferenceHost, store: MetricStore) -> IsolatedInstance:
+def start_instance(spec: InstanceSpec, host: InferenceHost, store: MetricStore, spares: Spares) -> IsolatedInstance:
     """An instance whose process has started and initialized the model (from a thread other than the loop's)."""
-    instance = IsolatedInstance(spec, host, store)
+    instance = IsolatedInstance(spec, host, store, spares)
     instance.initialize()
     return instance
 
 
-def complete_config(config: ModelConfig, path: Path, host: InferenceHost, store: MetricStore) -> None:
-    """Run the model's auto_complete_config in a process that ends right after (from a thread other than the
-    loop's), and take the config it completed."""
+def complete_config(config: ModelConfig, path: Path, host: InferenceHost, store: MetricStore, spares: Spares) -> None:
+    """Run the model's auto_complete_config in a process of its own (from a thread other than the loop's), kept a
+    while for the model's first instance, and take the config it completed."""
     loop = host.loop
     if loop is None or loop.is_closed():
         raise UnavailableError(f"Python model '{config.name}' needs a running server to complete its config")
-    completed = asyncio.run_coroutine_threadsafe(_complete(config, path, host, store), loop).result()
+    completed = asyncio.run_coroutine_threadsafe(_complete(config, str(path), host, store, spares), loop).result()
     parsed = ModelConfig()
     json_format.ParseDict(completed, parsed)
     config.CopyFrom(parsed)
 
 
-async def _complete(config: ModelConfig, path: Path, host: InferenceHost, store: MetricStore) -> dict[str, object]:
+async def _complete(
+    config: ModelConfig, path: str, host: InferenceHost, store: MetricStore, spares: Spares
+) -> dict[str, object]:
     session = Session(config.name, host, store)
-    process = await ModelProcess.start(f"{config.name}_auto_complete", session.handle)
+    process = await ModelProcess.start(config.name, session.handle)
     session.channel, session.pid = process.channel, process.pid
+    started = Started(process, session)
     try:
-        completed: dict[str, object] = await process.channel.call(
-            "auto_complete", message_to_json_dict(config), str(path))
+        completed: dict[str, object] = await process.channel.call("auto_complete", message_to_json_dict(config), path)
     except PeerGone:
         status = await process.wait()
+        await started.stop()
         raise InvalidArgumentError(
             f"auto_complete_config of Python model '{config.name}' failed: its process {how_it_ended(status)}"
         ) from None
-    finally:
-        await process.stop()
-        session.end(UnavailableError(f"the auto-complete process of Python model '{config.name}' ended"))
+    except BaseException:
+        await started.stop()
+        raise
+    spares.keep(path, started)
     return completed

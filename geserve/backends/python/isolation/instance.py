@@ -20,6 +20,7 @@ from geserve.backends.base import Execution, InferenceHost, ModelInstance, Resul
 from geserve.backends.python.isolation.process import START_TIMEOUT_S, ModelProcess, how_it_ended
 from geserve.backends.python.isolation.remote import request_fields
 from geserve.backends.python.isolation.session import Session
+from geserve.backends.python.isolation.spares import Spares
 from geserve.backends.python.metrics import MetricStore
 from geserve.errors import GeserveError, InternalError, UnavailableError
 from geserve.ipc.peer import PeerGone
@@ -60,7 +61,7 @@ class _Running:
 class IsolatedInstance(ModelInstance):
     inline_allowed = False  # execute waits on another process
 
-    def __init__(self, spec: InstanceSpec, host: InferenceHost, store: MetricStore) -> None:
+    def __init__(self, spec: InstanceSpec, host: InferenceHost, store: MetricStore, spares: Spares) -> None:
         loop = host.loop
         if loop is None or loop.is_closed():
             raise UnavailableError(f"Python model instance '{spec.name}' needs a running server for its process")
@@ -68,6 +69,7 @@ class IsolatedInstance(ModelInstance):
         self._spec = spec
         self._host = host
         self._store = store
+        self._spares = spares
         self._loop = loop
         self._current: concurrent.futures.Future[_Running] = concurrent.futures.Future()
         self._closing = False
@@ -165,11 +167,10 @@ class IsolatedInstance(ModelInstance):
         return [InferenceResponse(r.model_name, r.model_version, [], r.id) for r in requests]
 
     def _lost(self, running: _Running, status: int | None) -> InternalError:
-        """What the requests a dead process held are answered: Triton's words for its stub, then what happened."""
+        """What the requests a dead process held are answered: Triton's words for a dead stub, then what happened."""
         return InternalError(
-            f"Failed to process the request(s) for model instance '{self.name}', message: Stub process is not "
-            f"healthy: its process (pid {running.process.pid}) {how_it_ended(status)} while it held the request; "
-            "it is being restarted"
+            f"Stub process '{self.name}' is not healthy. Its process (pid {running.process.pid}) "
+            f"{how_it_ended(status)} while it held the request; it is being restarted."
         )
 
     # ---- on the loop: start, watch, restart, close ----------------------------------------------------------------
@@ -181,9 +182,13 @@ class IsolatedInstance(ModelInstance):
 
     async def _launch(self) -> _Running:
         spec = self._spec
-        session = Session(spec.name, self._host, self._store)
-        process = await ModelProcess.start(spec.name, session.handle)
-        session.channel, session.pid = process.channel, process.pid
+        started = self._spares.take(spec.path, spec.name)  # the process that ran auto-complete, if still there
+        if started is None:
+            session = Session(spec.name, self._host, self._store)
+            process = await ModelProcess.start(spec.name, session.handle)
+            session.channel, session.pid = process.channel, process.pid
+        else:
+            process, session = started.process, started.session
         try:
             checks = await process.channel.call("initialize", spec.path, spec.model_name, spec.name, spec.outputs,
                                                 spec.decoupled, spec.args)

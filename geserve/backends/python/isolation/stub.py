@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import os
 import signal
@@ -86,6 +87,10 @@ class Stub:
         instance = PythonInstance(name, module, self.host, outputs, decoupled, scope)
         instance.initialize(args)
         self._instance = instance
+        # What the imports and initialize() made stays out of the collector's sight, as the server does with its heap
+        # once started: a full collection would stall the next execution.
+        gc.collect()
+        gc.freeze()
         return instance.checks_readiness
 
     def serve_lane(self, sock: socket.socket) -> None:
