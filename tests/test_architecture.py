@@ -281,3 +281,15 @@ def test_a_frontend_reaches_inference_only_through_the_entry() -> None:
     for path in sorted((PACKAGE_ROOT / "frontends").rglob("*.py")):
         used = calls_on_service(path) & (inference_like | {"infer_now", "infer_soon", "infer_prepared_now"})
         assert used <= INFERENCE_ENTRIES, f"{path.relative_to(PACKAGE_ROOT)} calls {sorted(used - INFERENCE_ENTRIES)}"
+
+
+def test_openai_embeddings_infer_through_the_entry() -> None:
+    # OpenAI's /v1/embeddings (service/embeddings.py) turns a call into inference requests: each goes through the
+    # service's `infer`, as a frontend's would, and nothing there reaches a model's scheduler or instances.
+    path = PACKAGE_ROOT / "service" / "embeddings.py"
+    tree = ast.parse(path.read_text(), str(path))
+    on_door = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "_door"}
+    assert on_door == {"admit", "admit_ahead", "infer"}, on_door
+    attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not attributes & {"scheduler", "enqueue", "schedule", "run_now", "execute"}, attributes

@@ -138,6 +138,9 @@ class Embeddings:
         """The call's vectors and the tokens they took."""
         self._check_on()
         self._door.admit_ahead(ApiGroup.INFERENCE, context, "embeddings", call.model)
+        inputs = len(call.texts if call.texts is not None else call.tokens or ())
+        if inputs > MAX_INPUTS:
+            raise EmbeddingsError(f"'input' may hold at most {MAX_INPUTS} inputs, got {inputs}", param="input")
         model = self._resolve(call.model)
         exposed = await self._exposure(model)
         size = _size(call.model, exposed.spec, call.dimensions)
@@ -183,19 +186,22 @@ class Embeddings:
         groups = _groups(counts, spec.rows_per_request)
         requests = [_request(name, spec, [texts[i] for i in group]) for group in groups]
         if len(requests) == 1:
-            responses = [await self._door.infer(requests[0], context)]
-        else:  # each in a context of its own (a traced request's trace is its context's), their traces sent as one
-            contexts = [replace(context) for _ in requests]
-            responses = await _together(self._door.infer(r, c) for r, c in zip(requests, contexts, strict=True))
-            traces = [c.trace for c in contexts if c.trace is not None]
-            if traces:
-                context.trace = _Traces(traces)
-        if len(groups) == 1 and groups[0] == list(range(len(texts))):
-            return _output(responses[0], spec, len(texts))
+            return _output(await self._door.infer(requests[0], context), spec, len(texts))[np.argsort(groups[0])]
+        responses = await self._all(requests, context)
         vectors = np.empty((len(texts), spec.size), dtype=np.float32)
         for response, group in zip(responses, groups, strict=True):
             vectors[group] = _output(response, spec, len(group))
         return vectors
+
+    async def _all(self, requests: list[InferenceRequest], context: CallContext) -> list[InferenceResponse]:
+        """Several inferences of one call, each in a context of its own (a traced request's trace is its context's),
+        their traces then sent as the call's."""
+        contexts = [replace(context) for _ in requests]
+        responses = await _together(self._door.infer(r, c) for r, c in zip(requests, contexts, strict=True))
+        traces = [c.trace for c in contexts if c.trace is not None]
+        if traces:
+            context.trace = _Traces(traces)
+        return responses
 
 
 def _spec(model: LoadedModel) -> EmbeddingsSpec:

@@ -16,7 +16,7 @@ import orjson
 
 from geserve.errors import ErrorCode, GeserveError, UnauthenticatedError
 from geserve.frontends.http.answers import JSON, Response, error_response
-from geserve.service.embeddings import MAX_INPUTS, EmbeddingsCall, EmbeddingsError, EmbeddingsResult, ExposedModel
+from geserve.service.embeddings import EmbeddingsCall, EmbeddingsError, EmbeddingsResult, ExposedModel
 
 _FORMATS = ("float", "base64")
 _STATUS = {ErrorCode.UNSUPPORTED: 400, ErrorCode.ALREADY_EXISTS: 400}  # else the HTTP frontend's (status.py)
@@ -53,8 +53,6 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
         raise EmbeddingsError(f"'input' must be {_INPUT_SHAPES}, and not empty", param="input")
     if all(_is_token(v) for v in value):  # one input, as token ids
         return None, [value]
-    if len(value) > MAX_INPUTS:
-        raise EmbeddingsError(f"'input' may hold at most {MAX_INPUTS} inputs, got {len(value)}", param="input")
     return _several(value)
 
 
