@@ -18,6 +18,7 @@ import yaml
 
 from geserve.backends.ge import parameters as ge_parameters
 from geserve.backends.ge.compiled import COMPILE_PARAMETERS
+from geserve.backends.python import isolation
 from geserve.cli import build_parser
 from geserve.devices.cann import CANN_PARAMETERS
 from geserve.devices.cuda import CUDA_PARAMETERS
@@ -180,10 +181,10 @@ def test_every_ge_parameter_has_a_description() -> None:
     assert all(text.strip() and "\n" not in text for text in descriptions.values())
 
 
-def test_the_reference_lists_every_ge_parameter(stub_docs: Path) -> None:
+def test_the_reference_lists_every_ge_and_python_parameter(stub_docs: Path) -> None:
     site = stub_docs / "site"
     documented = _row_names((site / "reference" / "parameters" / "index.html").read_text())
-    assert documented == _ge_parameters()
+    assert documented == _ge_parameters() | set(isolation.PARAMETER_DESCRIPTIONS)
 
 
 def test_the_reference_lists_every_metric_family(stub_docs: Path) -> None:

@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.support.python_repo import ISOLATION, geserve_repository
 from tests.support.server import RunningServer, geserve
+from tests.support.streams import stream_request, summarized
 
 ECHO_MODEL = '''
 import time
@@ -65,6 +66,36 @@ input [
 ]
 output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] }}, {{ name: "LEFT" data_type: TYPE_FP64 dims: [ 1 ] }} ]
 {ISOLATION}'''
+STREAM_MODEL = '''
+import os
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Decoupled: one response per element of IN, from a thread; a negative element aborts the process instead."""
+
+    def execute(self, requests):
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().tolist()
+            threading.Thread(target=self._send, args=(request.get_response_sender(), values)).start()
+
+    def _send(self, sender, values):
+        for value in values:
+            if value < 0:
+                os.abort()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+STREAM_CONFIG = f'''name: "stream_crash"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ -1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+{ISOLATION}'''
 INIT_ABORTS = "import os\n\n\nclass TritonPythonModel:\n    def initialize(self, args):\n        os.abort()\n"
 RESTART_WITHIN_S = 10.0
 
@@ -75,6 +106,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "echo" / "1").mkdir(parents=True)
     (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
     (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    (root / "stream_crash" / "1").mkdir(parents=True)
+    (root / "stream_crash" / "config.pbtxt").write_text(STREAM_CONFIG)
+    (root / "stream_crash" / "1" / "model.py").write_text(STREAM_MODEL)
     (root / "init_aborts" / "1").mkdir(parents=True)
     (root / "init_aborts" / "config.pbtxt").write_text(ECHO_CONFIG.replace('"echo"', '"init_aborts"'))
     (root / "init_aborts" / "1" / "model.py").write_text(INIT_ABORTS)
@@ -84,7 +118,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """One worker (a crash in the server's own process would end it), models loaded explicitly."""
-    args = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in ("add_sub", "crash", "echo"))]
+    args = ["--model-control-mode=explicit",
+            *(f"--load-model={m}" for m in ("add_sub", "crash", "echo", "stream_crash"))]
     with geserve([repo], tmp_path_factory.mktemp("isolation-logs") / "geserve.log", args) as running:
         yield running
 
@@ -248,6 +283,17 @@ def test_a_model_whose_process_dies_in_initialize_fails_to_load_with_the_reason(
         assert "failed to initialize Python model instance 'init_aborts_0': its process was killed by SIGABRT" in (
             caught.value.message())
         assert client.is_server_live() and client.is_model_ready("add_sub")
+
+
+def test_a_stream_whose_process_dies_ends_with_the_crash_and_the_next_one_is_served(server: RunningServer) -> None:
+    messages, final = stream_request(server.grpc_url, "stream_crash", [3, 4, -1], timeout=30)
+    assert not final
+    assert summarized(messages)[:2] == [({"OUT": [3]}, False), ({"OUT": [4]}, False)]
+    assert summarized(messages)[2][0] == "error" and len(messages) == 3
+    assert summarized(messages)[2][1].startswith("Stub process 'stream_crash_0' is not healthy. Its process (pid ")
+    assert "was killed by SIGABRT" in summarized(messages)[2][1]
+    messages, final = stream_request(server.grpc_url, "stream_crash", [5], timeout=30)  # waits for the restart
+    assert final and summarized(messages) == [({"OUT": [5]}, False), ({}, True)]
 
 
 def test_unload_ends_the_process_and_load_starts_a_new_one(server: RunningServer) -> None:

@@ -90,6 +90,13 @@ class PickleCodec:
         return result
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class Peer:
     """One end of the connection: `call` waits for the other end's answer, `notify` does not; calls that arrive
     are run by `handler` (each in its own task, so a slow one never blocks the rest)."""
@@ -152,6 +159,25 @@ class Peer:
         frame = self._codec.dumps((_NOTE, 0, method, args))
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._write, frame)
+
+    def notify_written(self, loop: asyncio.AbstractEventLoop, method: str, *args: Any, timeout: float = 10.0) -> None:
+        """`notify_threadsafe`, returning once the notice is in the socket (on a Unix socket: queued at the other
+        end), so that it arrives even if this process dies right after."""
+        frame = self._codec.dumps((_NOTE, 0, method, args))
+        if _running_loop() is loop:  # on the loop itself: the write is immediate, or the transport buffers it
+            self._write(frame)
+            return
+        try:
+            written = asyncio.run_coroutine_threadsafe(self._flush(frame), loop)
+        except RuntimeError:  # the loop is closed
+            return
+        with contextlib.suppress(concurrent.futures.TimeoutError, ConnectionError):
+            written.result(timeout)
+
+    async def _flush(self, frame: bytes) -> None:
+        self._write(frame)
+        if not self.closed.is_set():
+            await self._writer.drain()
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self._write(self._codec.dumps(message))

@@ -26,10 +26,10 @@ from geserve.ipc.peer import PeerGone
 
 PARAMETER = "isolation"
 MODES = {"process": True, "none": False, "": False}
-PARAMETER_DESCRIPTIONS = {
-    PARAMETER: "Python models: \"process\" runs each instance in a process of its own (a native crash fails only "
-               "the requests it held, the instance restarts, unload ends the process); \"none\" (default) runs it "
-               "in the server's process.",
+PARAMETER_DESCRIPTIONS = {  # one line each on the site's reference/parameters.md (docs/hooks/reference_parameters.py)
+    PARAMETER: "process: each instance of the Python model runs in a process of its own (a native crash fails only "
+               "the requests it held and the instance restarts; unloading ends the process); none (default): in "
+               "the server's process. See Ensembles and Python models.",
 }
 
 __all__ = ["PARAMETER", "InstanceSpec", "IsolatedInstance", "Spares", "complete_config", "start_instance", "wanted"]

@@ -72,6 +72,10 @@ class Channel:
     def notify_threadsafe(self, method: str, *args: Any) -> None:
         self.peer.notify_threadsafe(self.loop, method, *args)
 
+    def notify_written(self, method: str, *args: Any) -> None:
+        """A notice that must reach the other side even if this process dies right after (a response, a log)."""
+        self.peer.notify_written(self.loop, method, *args)
+
     def _released(self, offset: int) -> None:
         """A finalizer, on any thread: the first block of a turn schedules the notice that carries them all."""
         with self._release_lock:

@@ -99,7 +99,9 @@ class RemoteStream(ResponseStream):
             if self._final_sent:
                 raise StreamClosedError("the final response of this request was already sent")
             self._final_sent = item.final
-            self._channel.notify_threadsafe("stream", self._request.key, item)  # under the lock: in send order
+            # Written before send() returns, as Triton's stub hands a response over before returning: a response
+            # sent just before the process crashes still reaches the client. Under the lock: in send order.
+            self._channel.notify_written("stream", self._request.key, item)
 
 
 class RemoteHost:
@@ -232,7 +234,7 @@ class ForwardingHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             exc_text = logging.Formatter().formatException(record.exc_info) if record.exc_info else None
-            self._channel.notify_threadsafe("log", record.name, record.levelno, record.pathname, record.lineno,
+            self._channel.notify_written("log", record.name, record.levelno, record.pathname, record.lineno,
                                             record.funcName, record.getMessage(), exc_text)
         except Exception:
             self.handleError(record)
