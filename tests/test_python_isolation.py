@@ -190,31 +190,43 @@ class Clients:
                     self.failures.append(f"client {index}: {exc}")
 
 
+def crash_with_one_behind(client: grpcclient.InferenceServerClient, command: int) -> dict[str, tuple[Any, Any]]:
+    """(result, error) of a request sending `command` and of one sent right behind it on the same connection (so to
+    the same worker, and queued for the same instance)."""
+    answers: dict[str, tuple[Any, Any]] = {}
+    done = threading.Event()
+
+    def collect(name: str) -> Callable[[Any, Any], None]:
+        def callback(result: Any, error: Any) -> None:
+            answers[name] = (result, error)
+            if len(answers) == 2:
+                done.set()
+        return callback
+
+    client.async_infer("crash", [crash_input(command, grpcclient)], callback=collect("crashing"))
+    client.async_infer("crash", [crash_input(0, grpcclient)], callback=collect("behind"))
+    assert done.wait(60), "both requests answered"
+    return answers
+
+
+def assert_lost_with(answer: tuple[Any, Any], pid: int, signal_words: str) -> None:
+    """The crashing request's answer: an error in Triton's words for a dead stub, then what happened."""
+    result, error = answer
+    assert result is None and isinstance(error, InferenceServerException)
+    assert error.status() == "StatusCode.INTERNAL"
+    assert error.message().startswith("Stub process 'crash_0_0' is not healthy. ")
+    assert f"Its process (pid {pid}) {signal_words} while it held the request" in error.message()
+
+
 def crash_and_recover(server: RunningServer, command: int, signal_words: str) -> None:
     """`command` crashes the crash model's process while four clients call add_sub: the crashing request alone fails,
-    with an error; one sent right behind it on the same connection is served by the restarted process; the model is
-    ready and serving again within RESTART_WITHIN_S; the clients saw no failure."""
+    with an error; the one right behind it is served by the restarted process; the model is ready and serving again
+    within RESTART_WITHIN_S; the clients saw no failure."""
     with Clients(server) as clients, grpcclient.InferenceServerClient(server.grpc_url) as client:
         before = pid_of(client.infer("crash", [crash_input(0, grpcclient)]))
-        answers: dict[str, tuple[Any, Any]] = {}
-        done = threading.Event()
-
-        def collect(name: str) -> Callable[[Any, Any], None]:
-            def callback(result: Any, error: Any) -> None:
-                answers[name] = (result, error)
-                if len(answers) == 2:
-                    done.set()
-            return callback
-
-        client.async_infer("crash", [crash_input(command, grpcclient)], callback=collect("crashing"))
-        client.async_infer("crash", [crash_input(0, grpcclient)], callback=collect("behind"))  # same worker
-        assert done.wait(60), "both requests answered"
+        answers = crash_with_one_behind(client, command)
         crashed_at = time.monotonic()
-        result, error = answers["crashing"]
-        assert result is None and isinstance(error, InferenceServerException)
-        assert error.status() == "StatusCode.INTERNAL"
-        assert error.message().startswith("Stub process 'crash_0_0' is not healthy. ")  # Triton's words
-        assert f"Its process (pid {before}) {signal_words} while it held the request" in error.message()
+        assert_lost_with(answers["crashing"], before, signal_words)
         result, error = answers["behind"]
         assert error is None, error  # not held by the process that crashed: it waited for the new one
         after = pid_of(result)
@@ -274,6 +286,30 @@ def test_restarts_that_fail_answer_at_once_then_back_off_until_one_serves(server
         wait_until(lambda: client.is_model_ready("crash"), 30, "a restart that serves")
         assert pid_of(client.infer("crash", [crash_input(0, grpcclient)])) > 0
     assert "restart 1 failed" in server.log()
+
+
+def model_processes(server: RunningServer) -> set[int]:
+    """The server's isolated-model processes now."""
+    return {pid for pid in server.children() if b"isolation.stub" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+
+
+def test_unloading_while_restarts_fail_ends_them_and_answers_the_waiting(server: RunningServer, repo: Path) -> None:
+    poison = repo / "crash" / "init_aborts"
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        others = model_processes(server) - {pid_of(client.infer("crash", [crash_input(0, grpcclient)]))}
+        try:
+            with pytest.raises(InferenceServerException, match="was killed by SIGABRT"):
+                client.infer("crash", [crash_input(-4, grpcclient)])
+            with pytest.raises(InferenceServerException, match="is restarting"):
+                client.infer("crash", [crash_input(0, grpcclient)])
+            started = time.monotonic()
+            client.unload_model("crash")
+            assert time.monotonic() - started < 10
+            wait_until(lambda: model_processes(server) == others, 10, "no process of the unloaded model")
+        finally:
+            poison.unlink()
+        client.load_model("crash")
+        assert pid_of(client.infer("crash", [crash_input(0, grpcclient)])) not in others
 
 
 def test_a_model_whose_process_dies_in_initialize_fails_to_load_with_the_reason(server: RunningServer) -> None:

@@ -74,6 +74,7 @@ class IsolatedInstance(ModelInstance):
         self._current: concurrent.futures.Future[_Running] = concurrent.futures.Future()
         self._closing = False
         self._failed_restarts = 0  # in a row: how long the next restart waits
+        self._dead: _Running | None = None  # the process being replaced, while a restart is under way
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- life cycle (called from threads other than the loop's) -------------------------------------------------
@@ -83,12 +84,6 @@ class IsolatedInstance(ModelInstance):
         running = asyncio.run_coroutine_threadsafe(self._launch(), self._loop).result()
         self._current.set_result(running)
         self._loop.call_soon_threadsafe(self._keep, self._watch(running))
-
-    @property
-    def pid(self) -> int | None:
-        """The serving process' id (None while there is none)."""
-        running = self._serving_now()
-        return running.process.pid if running is not None else None
 
     @property
     def checks_readiness(self) -> bool:
@@ -211,6 +206,7 @@ class IsolatedInstance(ModelInstance):
         logger.error("the process of Python model instance '%s' (pid %d) %s after %.1f s: restarting it", self.name,
                      running.process.pid, how_it_ended(status), lived)
         running.session.end(self._lost(running, status))
+        self._dead = running
         if lived >= HEALTHY_AFTER_S:
             self._failed_restarts = 0
         self._current = concurrent.futures.Future()
@@ -234,6 +230,7 @@ class IsolatedInstance(ModelInstance):
             _settle(attempt, outcome)
             _settle(dead.successor, outcome)
             if isinstance(outcome, _Running):
+                self._dead = None
                 self._keep(self._watch(outcome))
                 return
 
@@ -242,13 +239,18 @@ class IsolatedInstance(ModelInstance):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # a restart under way ends its process first
-        running = self._serving_now()
-        if running is None:
+        unloaded = UnavailableError(f"Python model instance '{self.name}' was unloaded")
+        for waited in (self._current, *((self._dead.successor,) if self._dead is not None else ())):
+            _settle(waited, unloaded)  # nobody waits for a restart that will not come
+        current = self._current
+        if current.exception() is not None:
             return
-        try:
-            await asyncio.wait_for(running.process.channel.call("finalize"), FINALIZE_TIMEOUT_S)
-        except (GeserveError, TimeoutError) as exc:
-            logger.warning("finalize() of Python model instance '%s' did not complete: %s", self.name, exc)
+        running = current.result()
+        if not running.process.ended.is_set():
+            try:
+                await asyncio.wait_for(running.process.channel.call("finalize"), FINALIZE_TIMEOUT_S)
+            except (GeserveError, TimeoutError) as exc:
+                logger.warning("finalize() of Python model instance '%s' did not complete: %s", self.name, exc)
         await running.process.stop()
         running.session.end(UnavailableError(
             f"the Python model instance '{self.name}' was unloaded before it sent its final response"))
