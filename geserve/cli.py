@@ -71,9 +71,6 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--openai-api", type=_bool, default=True, metavar="on|off",
         help="OpenAI's embeddings API on the HTTP port (/v1/models, /v1/embeddings) for the models whose config has "
              "the `openai.embeddings` parameter; off: those routes answer 404")
-    add("--openai-api", type=_bool, default=True, metavar="on|off",
-        help="OpenAI's embeddings API on the HTTP port (/v1/models, /v1/embeddings) for the models whose config has "
-             "the `openai.embeddings` parameter; off: those routes answer 404")
     add("--overload-control", type=_bool, default=False, metavar="on|off",
         help="admission control for every model (its `overload_control` parameter overrides): refuse at arrival, with "
              "503 + Retry-After / UNAVAILABLE, what cannot be answered before its deadline or exceeds the adaptive "

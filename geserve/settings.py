@@ -82,9 +82,6 @@ class ServerSettings:
     openai_api: bool = True
     """OpenAI's embeddings API on the HTTP port (`GET /v1/models`, `POST /v1/embeddings`), for the models whose
     config has the `openai.embeddings` parameter; off: those routes answer 404."""
-    openai_api: bool = True
-    """OpenAI's embeddings API on the HTTP port (`GET /v1/models`, `POST /v1/embeddings`), for the models whose
-    config has the `openai.embeddings` parameter; off: those routes answer 404."""
     overload_control: bool = False
     """Admission control for every model (a model's `overload_control` parameter overrides it): an adaptive
     concurrency limit, priorities shed lowest first, and requests that cannot be answered before their deadline
