@@ -390,3 +390,18 @@ def test_the_api_can_be_turned_off(repository: Path, tmp_path_factory: pytest.Te
         assert "--openai-api off" in error["message"]
         _error(httpx.get(f"{off.base}/v1/models"), 404)
         assert httpx.get(f"{off.base}/v2/models/text_embedding/ready").status_code == 200
+
+
+def test_the_asgi_host_serves_the_same_routes(
+    repository: Path, tmp_path_factory: pytest.TempPathFactory, client: openai.OpenAI
+) -> None:
+    # The routes are the ASGI app's (frontends/http/app.py): uvicorn hosts them as the native server does.
+    log = tmp_path_factory.mktemp("openai-uvicorn") / "geserve.log"
+    with geserve([repository], log, ["--http-server", "uvicorn"]) as hosted, \
+            openai.OpenAI(base_url=f"{hosted.base}/v1", api_key="unused", max_retries=0) as other:
+        assert [model.id for model in other.models.list().data] == [model.id for model in client.models.list().data]
+        response = other.embeddings.create(model="text_embedding", input=SENTENCES, encoding_format="float")
+        expected = client.embeddings.create(model="text_embedding", input=SENTENCES, encoding_format="float")
+        np.testing.assert_array_equal(_vectors(response), _vectors(expected))
+        error = _error(httpx.post(f"{hosted.base}/v1/embeddings", json={"model": "simple", "input": "x"}), 404)
+        assert error["code"] == "model_not_found"
