@@ -4,10 +4,11 @@
 A call is admitted first (inference's group for embeddings, metadata's for the model list: bearer-token scopes,
 restricted APIs, the audit log of refusals), then its model resolved and checked for the `openai.embeddings` parameter
 (config/embeddings.py), its texts counted with the model's own tokenizer (too long: refused, or cut where the config
-says `truncate`), token arrays decoded by that tokenizer, and the texts sent as inference requests of up to
-max_batch_size rows each (N texts are N rows, batched by the model's scheduler with everything else) through
-`InferenceService.infer`: statistics, metrics, tracing, the response cache, deadlines and admission control apply there
-as to any inference. A `dimensions` smaller than the vector is a cut and an L2 normalization, where the config allows.
+says `truncate`), token arrays decoded by that tokenizer, and the texts sent, all at once, as inference requests of
+texts of about the same length, up to max_batch_size rows each (N texts are N rows, batched by the model's scheduler
+with everything else), through `InferenceService.infer`: statistics, metrics, tracing, the response cache, deadlines
+and admission control apply there as to any inference. A `dimensions` smaller than the vector is a cut and an L2
+normalization, where the config allows.
 """
 
 from __future__ import annotations
