@@ -33,7 +33,6 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import EXAMPLES, RESULTS
 from tests.support import reference
-from tests.support.budget_models import samples, tree_pss, zipf
+from tests.support.budget_models import PeakPss, samples, tree_pss, zipf
 from tests.support.server import RunningServer, geserve
 
 MLPS, MINILMS = 80, 20
@@ -149,27 +148,6 @@ async def fire(url: str, arrivals: list[tuple[float, str]]) -> list[Shot]:
         await client.close()
 
 
-class PeakPss:
-    """The process tree's PSS, sampled every 100 ms on a thread."""
-
-    def __init__(self, root: int) -> None:
-        self.peak = 0
-        self._root = root
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, tree_pss(self._root))
-            time.sleep(0.1)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
 # ---- geserve ---------------------------------------------------------------------------------------
 
 
@@ -215,7 +193,7 @@ def run_geserve(repo: Path, budget: int, warmup: list[tuple[float, str]], measur
         wait_ready(server.base)
         time.sleep(1.0)
         base = tree_pss(server.process.pid)
-        sampler = PeakPss(server.process.pid)
+        sampler = PeakPss(server.process.pid, 0.1)
         asyncio.run(fire(server.url, warmup))
         before = samples(metrics(server), "ge_model_load_on_demand_total")
         shots = asyncio.run(fire(server.url, measured))
@@ -271,7 +249,7 @@ def run_triton(repo: Path, names: list[str], preload: list[str], measured: list[
     try:
         triton.wait()
         time.sleep(1.0)
-        sampler = PeakPss(triton.process.pid)
+        sampler = PeakPss(triton.process.pid, 0.1)
         shots = asyncio.run(fire(triton.http, measured))
         return Outcome(shots, sampler.stop(), 0)
     finally:
@@ -290,45 +268,58 @@ def percentiles(values: list[float]) -> str:
 
 def report(args: argparse.Namespace, budget: int, charges: dict[str, int], ours: Outcome,
            theirs: Outcome | None) -> str:
+    lines = [*_heading(args, budget, charges), _geserve_row(ours, args.duration)]
+    if theirs is not None:
+        lines.append(_triton_row(theirs))
+    lines += _notes(budget, ours, theirs)
+    return "\n".join(lines) + "\n"
+
+
+def _heading(args: argparse.Namespace, budget: int, charges: dict[str, int]) -> list[str]:
     mlp = np.median([v for k, v in charges.items() if k.startswith("mlp")])
     minilm = np.median([v for k, v in charges.items() if k.startswith("minilm")])
-    lines = [
+    total = sum(charges.values())
+    return [
         "# Memory budget: 100 models, memory for 20 % of them",
         "",
         f"`.venv/bin/python bench/memory_budget_bench.py --rate {args.rate:g} --duration {args.duration:g} "
         f"--warmup {args.warmup:g}`, {time.strftime('%Y-%m-%d')}; 2 vCPU. {MLPS} MLP (5 MiB) and {MINILMS} MiniLM "
         f"(90 MiB) models, Zipf({EXPONENT}) popularity, open-loop Poisson arrivals at {args.rate:g}/s.",
         "",
-        f"Budget {budget / MIB:.0f} MiB: {budget / sum(charges.values()) * 100:.1f} % of what the 100 models measure "
-        f"together ({sum(charges.values()) / MIB:.0f} MiB: MLP {mlp / MIB:.1f} MiB, MiniLM {minilm / MIB:.1f} MiB "
-        "each, two workers together).",
+        f"Budget {budget / MIB:.0f} MiB: {budget / total * 100:.1f} % of what the 100 models measure together "
+        f"({total / MIB:.0f} MiB: MLP {mlp / MIB:.1f} MiB, MiniLM {minilm / MIB:.1f} MiB each, two workers together).",
         "",
         "| server | requests | errors | hit ratio | hits p50 / p99 (ms) | cold p50 / p99 (ms) | loads/s "
         "| peak PSS (MiB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    lines.append(_geserve_row(ours, args.duration))
-    if theirs is not None:
-        errors = [s for s in theirs.shots if s.error]
-        answered = [s.latency for s in theirs.shots if not s.error]
-        lines.append(
-            f"| Triton 2.51, 20 most popular preloaded | {len(theirs.shots)} | {len(errors)} "
-            f"({len(errors) / len(theirs.shots) * 100:.1f} %) | - | {percentiles(answered)} | - | 0 | "
-            f"{theirs.peak_pss / MIB:.0f} |"
-        )
-    if ours.shots and any(s.error for s in ours.shots):
-        lines += ["", f"geserve's first error: `{next(s.error for s in ours.shots if s.error)}`"]
-    lines += [
+
+
+def _triton_row(theirs: Outcome) -> str:
+    errors = [s for s in theirs.shots if s.error]
+    answered = [s.latency for s in theirs.shots if not s.error]
+    return (
+        f"| Triton 2.51, 20 most popular preloaded | {len(theirs.shots)} | {len(errors)} "
+        f"({len(errors) / max(len(theirs.shots), 1) * 100:.1f} %) | - | {percentiles(answered)} | - | 0 | "
+        f"{theirs.peak_pss / MIB:.0f} |"
+    )
+
+
+def _notes(budget: int, ours: Outcome, theirs: Outcome | None) -> list[str]:
+    over = ours.peak_pss - ours.base_pss - budget
+    lines = [
         "",
         f"geserve's peak PSS against its budget: {ours.peak_pss / MIB:.0f} MiB = base {ours.base_pss / MIB:.0f} MiB "
-        f"(two workers and the supervisor, no model) + budget {budget / MIB:.0f} MiB "
-        f"+ {(ours.peak_pss - ours.base_pss - budget) / MIB:.0f} MiB "
+        f"(two workers and the supervisor, no model) + budget {budget / MIB:.0f} MiB + {over / MIB:.0f} MiB "
         f"({(ours.peak_pss / (ours.base_pss + budget) - 1) * 100:+.1f} % of base + budget).",
     ]
-    if theirs is not None and theirs.shots:
-        sample = next((s.error for s in theirs.shots if s.error), "")
-        lines += ["", f"Triton's refusal of a model it does not serve: `{sample}`"]
-    return "\n".join(lines) + "\n"
+    first = next((s.error for s in ours.shots if s.error), "")
+    if first:
+        lines += ["", f"geserve's first error: `{first}`"]
+    refusal = next((s.error for s in theirs.shots if s.error), "") if theirs is not None else ""
+    if refusal:
+        lines += ["", f"Triton's refusal of a model it does not serve: `{refusal}`"]
+    return lines
 
 
 def _geserve_row(ours: Outcome, duration: float) -> str:

@@ -26,6 +26,7 @@ from tritonclient.grpc import model_config_pb2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import EXAMPLES, RESULTS, link_model_files, load_config, random_inputs
+from tests.support.budget_models import tree_pss
 from tests.support.server import geserve
 
 MODELS = ("resnet50", "minilm", "mlp")
@@ -41,23 +42,6 @@ def repository(dest: Path, share: bool) -> Path:
         (folder / "config.pbtxt").write_text(
             text + f'parameters {{ key: "share_weights", value: {{ string_value: "{value}" }} }}\n')
     return dest
-
-
-def tree_pss(root: int) -> int:
-    """Bytes of PSS of `root` and its descendants."""
-    total, pending = 0, [root]
-    while pending:
-        pid = pending.pop()
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                children = (task / "children").read_text().split()
-                pending.extend(int(child) for child in children)
-        except OSError:  # gone meanwhile
-            continue
-    return total
 
 
 def one_request_each(url: str) -> None:

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
 from geserve import devices
@@ -65,8 +65,6 @@ class Server:
     ) -> None:
         _check_control(settings)
         budget = _memory_budget(settings)
-        if budget is not None:
-            memory.one_heap()  # before the threads: what a load adds is then measured as it is (repository/memory.py)
         self.settings = settings
         self.link = link
         if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
@@ -194,12 +192,7 @@ class Server:
             available = self.store.scan()
         except InvalidArgumentError as exc:
             raise StartupError(exc.message) from None
-        try:
-            names = start_models(self.settings, available)
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        if self.link is not None and self.settings.model_memory_budget:
-            names = []  # the supervisor loads them once every worker has joined, measured and within the budget
+        names = self._start_names(available)
         results = await asyncio.gather(*(self._load(n) for n in names), return_exceptions=True)
         failures = [f"{n}: {r.message}" for n, r in zip(names, results, strict=True) if isinstance(r, GeserveError)]
         unexpected = [r for r in results if isinstance(r, BaseException) and not isinstance(r, GeserveError)]
@@ -207,6 +200,15 @@ class Server:
             raise unexpected[0]
         if failures and self.settings.exit_on_error:
             raise StartupError("failed to load all models:\n  " + "\n  ".join(failures))
+
+    def _start_names(self, available: Collection[str]) -> list[str]:
+        """The models this process loads at start; none in a worker under a memory budget: the supervisor loads them
+        once every worker has joined, measured and within the budget."""
+        try:
+            names = start_models(self.settings, available)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        return [] if self.link is not None and self.settings.model_memory_budget else names
 
     async def _load(self, name: str) -> None:
         """A model the server loads at start: within the budget (one at a time) when there is one."""
@@ -350,11 +352,16 @@ def _poller(
 
 
 def _memory_budget(settings: ServerSettings) -> int | None:
-    """--model-memory-budget in bytes, None without one."""
+    """--model-memory-budget in bytes, None without one. With one, malloc keeps one arena from now on (as early as a
+    server can), so that what a load adds is measured as it is (repository/memory.py)."""
+    if not settings.model_memory_budget:
+        return None
     try:
-        return parse_size(settings.model_memory_budget) if settings.model_memory_budget else None
+        budget = parse_size(settings.model_memory_budget)
     except ValueError as exc:
         raise StartupError(f"--model-memory-budget: {exc}") from None
+    memory.one_heap()
+    return budget
 
 
 def _model_loads(settings: ServerSettings, budget: int | None, manager: ModelManager) -> ModelLoads | None:

@@ -18,7 +18,7 @@ from geserve.errors import DeadlineExceededError
 from geserve.repository.budget import parse_size
 from geserve.server import StartupError
 from tests.support import budget_models, ensembles
-from tests.support.budget_models import WIDTH
+from tests.support.budget_models import PYTHON_CONFIG, WIDTH
 
 HIDDEN = 512
 SLOW_INIT = '''
@@ -34,13 +34,6 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
                                                             .as_numpy() * 2)]) for r in requests]
 '''
-PYTHON_CONFIG = """
-backend: "python"
-max_batch_size: 4
-input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]
-output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]
-instance_group [{ kind: KIND_CPU, count: 1 }]
-"""
 
 
 @pytest.fixture(scope="module")

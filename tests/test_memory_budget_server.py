@@ -27,18 +27,11 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.support import budget_models, models
-from tests.support.budget_models import PINNED, WIDTH, expected, samples, tree_pss
+from tests.support.budget_models import PINNED, PYTHON_CONFIG, WIDTH, expected, samples, tree_pss
 from tests.support.server import RunningServer, geserve
 
 HIDDEN = 4096  # 4 MiB of weights per MLP
 MODELS = 30  # the load test's: MLPs m0..m29, m0 pinned
-SLOW_CONFIG = """
-backend: "python"
-max_batch_size: 4
-input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]
-output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]
-instance_group [{ kind: KIND_CPU, count: 1 }]
-"""
 CLIENTS = 8
 DURATION_S = 45.0  # of Zipf-ordered requests, after one request to every model
 MARGIN = 1.15  # the process tree's PSS stays under (budget + base) x MARGIN
@@ -51,7 +44,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     budget_models.mlp(root, "m0", 0, HIDDEN, PINNED)
     for i in range(1, MODELS):
         budget_models.mlp(root, f"m{i}", i, HIDDEN)
-    models.slow_python(root, "slow", SLOW_CONFIG)
+    models.slow_python(root, "slow", PYTHON_CONFIG)
     return root
 
 
@@ -205,7 +198,7 @@ def test_memory_comes_back_after_unloads(tmp_path: Path) -> None:
     (root / "minilm" / "1" / "model.onnx").symlink_to(minilm / "1" / "model.onnx")
     (root / "minilm" / "config.pbtxt").write_text((minilm / "config.pbtxt").read_text())
     (root / "holder" / "1").mkdir(parents=True)
-    (root / "holder" / "config.pbtxt").write_text(SLOW_CONFIG)
+    (root / "holder" / "config.pbtxt").write_text(PYTHON_CONFIG)
     (root / "holder" / "1" / "model.py").write_text(HOLDER_MODEL)
     names = ("mlp", "minilm", "holder")
     with _server(root, tmp_path / "geserve.log", "4GiB") as server:
@@ -251,82 +244,86 @@ class TritonPythonModel:
 '''
 
 
+class _SlowRequest:
+    """One request to the slow model that executes for `seconds`, on a thread."""
+
+    def __init__(self, server: RunningServer, seconds: float) -> None:
+        self.seconds = seconds
+        self.answer: np.ndarray | None = None
+        self._url = server.url
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 1), self.seconds, np.float32))
+        client = httpclient.InferenceServerClient(self._url, network_timeout=self.seconds + 60)
+        self.answer = client.infer("slow", [tensor]).as_numpy("OUT")
+
+
+class _ZipfClients:
+    """CLIENTS threads, each sending one request to every model it is given, then Zipf(1.1)-ordered requests until
+    `stop_at`: answers checked, counted, and the first error of each kept."""
+
+    def __init__(self, server: RunningServer, stop_at: float) -> None:
+        self.answered = [0] * CLIENTS
+        self.errors: list[BaseException] = []
+        self._url, self._stop_at = server.url, stop_at
+        self._order = np.random.default_rng(34).permutation(MODELS)  # rank -> model; m0 (pinned) among them
+        self._popularity = budget_models.zipf(MODELS, 1.1)
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(CLIENTS)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        rng = np.random.default_rng(index)
+        client = httpclient.InferenceServerClient(self._url, network_timeout=60)
+        try:
+            for seed in range(index, MODELS, CLIENTS):  # every model once, so that every one is charged
+                _infer(client, seed)
+                self.answered[index] += 1
+            while time.monotonic() < self._stop_at:
+                _infer(client, int(self._order[rng.choice(MODELS, p=self._popularity)]))
+                self.answered[index] += 1
+        except BaseException as exc:  # reported by the test, with the server's log
+            self.errors.append(exc)
+
+    def running(self) -> bool:
+        return any(thread.is_alive() for thread in self.threads)
+
+
 def test_thirty_models_three_times_the_budget_under_zipf_traffic(
     repo: Path, calibration: Calibration, tmp_path: Path
 ) -> None:
     """8 clients for about a minute, requests in Zipf(1.1) order over 30 MLPs whose charges add up to three times the
     budget: every answer correct; the process tree's PSS never above (budget + the server's own base) x 1.15; the
     pinned model never evicted; the slow model, executing one request throughout, never evicted."""
-    total = calibration.first + (MODELS - 1) * calibration.size
-    budget = total // 3
+    budget = (calibration.first + (MODELS - 1) * calibration.size) // 3
     with _server(repo, tmp_path / "geserve.log", budget) as server:
         _ready(server)
         base = tree_pss(server.process.pid)  # the server with no model loaded
-        peak = [base]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], tree_pss(server.process.pid))
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        slow_answer: list[object] = []
-
-        def slow() -> None:  # the first model loaded, the least recently used: it would be evicted first if idle
-            x = np.full((1, 1), DURATION_S + 12, np.float32)
-            tensor = httpclient.InferInput("IN", [1, 1], "FP32")
-            tensor.set_data_from_numpy(x)
-            client = httpclient.InferenceServerClient(server.url, network_timeout=DURATION_S + 60)
-            slow_answer.append(client.infer("slow", [tensor]).as_numpy("OUT"))
-
-        slow_thread = threading.Thread(target=slow)
-        slow_thread.start()
+        sampler = budget_models.PeakPss(server.process.pid)
+        slow = _SlowRequest(server, DURATION_S + 12)  # loaded first, least recently used: the first victim if idle
         time.sleep(1.0)
-        errors: list[BaseException] = []
-        answered = [0] * CLIENTS
-        order = np.random.default_rng(34).permutation(MODELS)  # rank -> model; m0 (pinned) among them
-        popularity = budget_models.zipf(MODELS, 1.1)
-        stop_at = time.monotonic() + DURATION_S
-
-        def client_loop(index: int) -> None:
-            rng = np.random.default_rng(index)
-            client = httpclient.InferenceServerClient(server.url, network_timeout=60)
-            try:
-                for seed in range(index, MODELS, CLIENTS):  # every model once, so every one is charged
-                    _infer(client, seed)
-                    answered[index] += 1
-                while time.monotonic() < stop_at:
-                    _infer(client, int(order[rng.choice(MODELS, p=popularity)]))
-                    answered[index] += 1
-            except BaseException as exc:  # reported below, with the server's log
-                errors.append(exc)
-
-        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(CLIENTS)]
-        for thread in threads:
-            thread.start()
-        charged: dict[str, int] = {}
-        while any(t.is_alive() for t in threads):
+        clients = _ZipfClients(server, time.monotonic() + DURATION_S)
+        charged: dict[str, int] = {}  # each model's largest charge seen
+        while clients.running():
             for name, size in _charges(server).items():
                 charged[name] = max(size, charged.get(name, 0))
             time.sleep(1.0)
-        for thread in threads:
-            thread.join()
-        text = _metrics(server)
-        assert slow_thread.is_alive()  # still executing when the clients were done
-        slow_thread.join(DURATION_S + 60)
-        stop.set()
-        sampler.join()
-        assert not errors, f"{errors[:3]}\n{server.log()[-3000:]}"
-        assert slow_answer and float(slow_answer[0][0, 0]) == 2 * (DURATION_S + 12)  # type: ignore[index]
-        evictions = samples(text, "ge_model_evictions_total")
-        assert 'model="slow"' not in evictions and 'model="m0"' not in evictions
-        assert sum(evictions.values()) > MODELS  # the models really took turns
-        charged.pop("slow", None)
-        ratio = sum(charged.values()) / budget
-        assert len(charged) == MODELS and 2.7 < ratio < 3.3, (ratio, len(charged), budget)
-        limit = (budget + base) * MARGIN
-        print(f"\n{sum(answered)} answers; {int(sum(evictions.values()))} evictions; budget {budget / 2**20:.1f} MiB, "
-              f"base {base / 2**20:.1f} MiB, peak PSS {peak[0] / 2**20:.1f} MiB (limit {limit / 2**20:.1f})")
-        assert peak[0] <= limit
+        evictions = samples(_metrics(server), "ge_model_evictions_total")
+        assert slow.thread.is_alive()  # still executing when the clients were done
+        slow.thread.join(DURATION_S + 60)
+        peak = sampler.stop()
+        assert not clients.errors, f"{clients.errors[:3]}\n{server.log()[-3000:]}"
+    assert slow.answer is not None and float(slow.answer[0, 0]) == 2 * slow.seconds
+    assert 'model="slow"' not in evictions and 'model="m0"' not in evictions
+    assert sum(evictions.values()) > MODELS  # the models really took turns
+    charged.pop("slow", None)
+    ratio = sum(charged.values()) / budget
+    assert len(charged) == MODELS and 2.7 < ratio < 3.3, (ratio, len(charged), budget)
+    limit = (budget + base) * MARGIN
+    print(f"\n{sum(clients.answered)} answers; {int(sum(evictions.values()))} evictions; budget "
+          f"{budget / 2**20:.1f} MiB, base {base / 2**20:.1f} MiB, peak PSS {peak / 2**20:.1f} MiB "
+          f"(limit {limit / 2**20:.1f})")
+    assert peak <= limit

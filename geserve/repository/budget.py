@@ -45,7 +45,7 @@ PIN_PARAMETER = "pinned"  # a config's parameter, and a load request's
 # ge_model_load_duration_seconds's bounds: an MLP loads in tens of milliseconds, a large graph in tens of seconds.
 LOAD_BOUNDS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ON_DEMAND, REQUESTED = "on_demand", "requested"  # why a model loaded: a request for it, or a load request / start
-# A model the chosen ones were found busy in between (a request came first): choose again, at most this often.
+# How often room is chosen again when a chosen model got a request before it could be held.
 _HOLD_ATTEMPTS = 3
 _UNITS = {
     "": 1,
@@ -204,13 +204,14 @@ class ModelLoads:
             await self._load(name, lambda: self._holder.measure(job()), REQUESTED)
 
     async def unload(self, name: str, job: Callable[[], Awaitable[object]]) -> None:
-        """An unload request (or a poll's): run `job`; the model is no longer pinned."""
-        async with self._lock:
-            self._pinned.discard(name)
-            try:
-                await job()
-            finally:
-                self._forget_gone(await self._holder.held())
+        """An unload request (or a poll's): run `job`; the model is no longer pinned. Not one at a time with the loads:
+        the unload waits for the model's requests to end, and one of them may be waiting for a load on demand (a
+        Python model's BLS call)."""
+        self._pinned.discard(name)
+        try:
+            await job()
+        finally:
+            self._forget_gone(await self._holder.held())
 
     async def serves(self, name: str) -> bool:
         return name in await self._holder.held()

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Mapping
 from pathlib import Path
 
+from geserve.repository import memory
 from geserve.repository.budget import PIN_PARAMETER, Charges, Held, Plan
 from geserve.repository.lifecycle import ModelManager
 from geserve.repository.model import LoadedModel
@@ -83,6 +84,20 @@ class LocalHolder:
     def models(self) -> list[LoadedModel]:
         """The versions that serve."""
         return self._manager.models()
+
+    async def settle(self) -> None:
+        """A measurement starts: not with what was built before, nor with garbage or free heap."""
+        self.take_measured()
+        await memory.settled_pss()
+
+    async def measured(self) -> dict[str, dict[int, tuple[int, int]]]:
+        return self.take_measured()
+
+    async def set_charges(self, charges: Charges) -> None:
+        """What the versions that serve cost the whole server (a supervisor measured them over every worker): for the
+        index and the statistics."""
+        for model in self._manager.models():
+            model.memory = charges.get(model.name, {}).get(model.version, model.memory)
 
     def take_measured(self) -> dict[str, dict[int, tuple[int, int]]]:
         """What the versions built since the last call measured: bytes made resident, bytes mapped not yet resident."""

@@ -16,6 +16,7 @@ from geserve.repository.builder import ModelBuilder, PreparedModel
 from geserve.repository.model import LoadedModel, ModelState, VersionStatus
 
 logger = logging.getLogger(__name__)
+_UNUSED_POLL_S = 0.005  # how often an unload looks again for the requests of a version to end
 
 
 @dataclass(slots=True)
@@ -138,7 +139,16 @@ async def _stop(name: str, statuses: list[VersionStatus]) -> None:
         if status.model is None:
             continue
         status.state = ModelState.UNLOADING
+        await _unused(status.model)
         await status.model.scheduler.stop()
         logger.info("successfully unloaded '%s' version %d", name, status.model.version)
         status.model = None
         status.state, status.reason = ModelState.UNAVAILABLE, "unloaded"
+
+
+async def _unused(model: LoadedModel) -> None:
+    """Wait until no request of `model` is under way: one the service resolved to it just before it went out of
+    service (a reload's swap, an eviction's hold) reaches its scheduler after that, and a scheduler that stopped
+    meanwhile would refuse it ("is unloading"). Those already in the scheduler count too: it would wait for them."""
+    while model.users:
+        await asyncio.sleep(_UNUSED_POLL_S)

@@ -15,7 +15,7 @@ that joins later, as loads and unloads are.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from geserve.ipc.peer import PeerGone
@@ -28,19 +28,21 @@ logger = logging.getLogger(__name__)
 
 Measured = dict[str, dict[int, tuple[int, int]]]  # a worker's own: model -> version -> (resident, mapped not yet)
 DEMAND_LOAD, EVICT = "demand_load", "budget_evict"
-BUDGET_CALLS = frozenset(
-    {
-        "budget_usage",
-        "budget_plan",
-        "budget_hold",
-        "budget_release",
-        EVICT,
-        DEMAND_LOAD,
-        "budget_settle",
-        "budget_measured",
-        "budget_charges",
-    }
-)
+
+
+# What the supervisor asks each worker, and the worker's holder method that answers.
+_ANSWERS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "budget_usage": LocalHolder.held,
+    "budget_plan": LocalHolder.plan,
+    "budget_hold": LocalHolder.hold,
+    "budget_release": LocalHolder.release,
+    EVICT: LocalHolder.evict,
+    DEMAND_LOAD: LocalHolder.load_missing,
+    "budget_settle": LocalHolder.settle,
+    "budget_measured": LocalHolder.measured,
+    "budget_charges": LocalHolder.set_charges,
+}
+BUDGET_CALLS = frozenset(_ANSWERS)
 
 
 class Workers(Protocol):
@@ -149,28 +151,7 @@ def _first_error(results: list[Any]) -> None:
 
 async def answer(holder: LocalHolder, method: str, args: tuple[Any, ...]) -> Any:
     """A worker's answer to one of BUDGET_CALLS, from its own holder."""
-    if method == "budget_usage":
-        return holder.usage()
-    if method == "budget_plan":
-        return await holder.plan(*args)
-    if method == "budget_hold":
-        return await holder.hold(*args)
-    if method == "budget_release":
-        return await holder.release(*args)
-    if method == EVICT:
-        return await holder.evict(*args)
-    if method == DEMAND_LOAD:
-        return await holder.load_missing(*args)
-    if method == "budget_settle":  # a measurement starts: not with what was built before, nor garbage or free heap
-        holder.take_measured()
-        await memory.settled_pss()
-        return None
-    if method == "budget_measured":
-        return holder.take_measured()
-    charges: Charges = args[0]  # budget_charges: the server-wide charges, for the index and the statistics
-    for model in holder.models():
-        model.memory = charges.get(model.name, {}).get(model.version, model.memory)
-    return None
+    return await _ANSWERS[method](holder, *args)
 
 
 def server_loads(settings: ServerSettings, workers: Workers) -> ModelLoads | None:

@@ -62,7 +62,7 @@ MAX_AUTO_WORKERS = 8
 # Control calls that change the server's state: kept (the latest per model, per region) and replayed to a worker
 # that joins later, so a restarted worker serves what the others serve.
 _DECIDED = frozenset({"load_model", "unload_model"})  # through the server's decider, when it has one
-_REPLAYED = frozenset({"load_model", "unload_model", "poll_load", "poll_unload", DEMAND_LOAD, EVICT,
+_REPLAYED = frozenset({"load_model", "unload_model", "poll_load", "poll_unload", DEMAND_LOAD,
                        "register_shared_memory",
                        "unregister_shared_memory", "register_cuda_shared_memory", "unregister_cuda_shared_memory",
                        "log_settings", "trace_setting"})
@@ -147,7 +147,7 @@ class Supervisor:
         self._fix_ports()
         try:
             await self._start_metrics()  # first, as in a single process: /metrics answers once HTTP is live
-            if not await self._start_all(stop) or not await self._load_at_start():
+            if not await self._start_all(stop):
                 return 1
             try:  # the ports open once every worker serves, as one process binds after loading its models
                 await self._dispatch.open()
@@ -188,7 +188,7 @@ class Supervisor:
             self._changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), 0.1)
-        return True
+        return await self._load_at_start()
 
     def _fix_ports(self) -> None:
         """Port 0 asks for any free port: one for all the workers, held (bound, never listening) by the supervisor
@@ -400,7 +400,10 @@ class Supervisor:
             results = await asyncio.gather(
                 *(peer.call("control", method, args, number) for _, peer in joined), return_exceptions=True
             )
-            if method in _REPLAYED:
+            if method == EVICT:  # one unload per model it evicted
+                for name in args[0]:
+                    self._record("poll_unload", (name,), number)
+            elif method in _REPLAYED:
                 self._record(method, args, number)
         return dict(zip((index for index, _ in joined), results, strict=True))
 
@@ -441,10 +444,6 @@ class Supervisor:
 
     def _record(self, method: str, args: tuple[Any, ...], number: int) -> None:
         """Keep what a joining worker must replay: the latest call per model and per region, the log settings."""
-        if method == EVICT:  # one unload per model it evicted
-            for name in args[0]:
-                self._record("poll_unload", (name,), number)
-            return
         if method in ("load_model", "unload_model", "poll_load", "poll_unload", DEMAND_LOAD):
             key = ("model", args[0])
         elif method.startswith("unregister_") and not args[0]:  # every region of its kind

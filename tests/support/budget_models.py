@@ -3,6 +3,8 @@ weights so that every answer can be checked against numpy, and a slow Python mod
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,11 +58,19 @@ def mlp(repo: Path, name: str, seed: int, hidden: int, extra: str = "") -> Path:
 
 
 PINNED = 'parameters { key: "pinned" value: { string_value: "true" } }'
+# A Python model's config: FP32 [batch, 1] `IN` to `OUT` (tests/support/models.slow_python's model among others).
+PYTHON_CONFIG = """
+backend: "python"
+max_batch_size: 4
+input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]
+output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]
+instance_group [{ kind: KIND_CPU, count: 1 }]
+"""
 
 
 def tree_pss(root: int) -> int:
     """Bytes of PSS of process `root` and all its descendants (a page they share counts once): what the server costs
-    the machine."""
+    the machine. Read from /proc, not with geserve's own measure, which the tests check."""
     total, pending = 0, [root]
     while pending:
         pid = pending.pop()
@@ -68,9 +78,9 @@ def tree_pss(root: int) -> int:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
-                    break
-            pending += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
+            for task in Path(f"/proc/{pid}/task").iterdir():  # a child's parent is the thread that started it
+                pending.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:  # gone meanwhile
             continue
     return total
 
@@ -89,3 +99,24 @@ def zipf(count: int, exponent: float) -> np.ndarray:
     """Popularity of `count` models ranked 1..count: p(k) proportional to k^-exponent."""
     weights = np.arange(1, count + 1, dtype=np.float64) ** -exponent
     return weights / weights.sum()
+
+
+class PeakPss:
+    """The highest `tree_pss(root)` seen, sampled every `interval_s` on a thread until `stop`."""
+
+    def __init__(self, root: int, interval_s: float = 0.05) -> None:
+        self.peak = 0
+        self._root, self._interval = root, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss(self._root))
+            time.sleep(self._interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx
 from tritonclient.grpc import model_config_pb2
 
+from geserve.cachekeys import cache_dir
 from geserve.compiler.errors import CompilerError
 from geserve.compiler.package import is_package, read_manifest
 from geserve.config import ModelConfig
@@ -49,13 +54,20 @@ def read_overridable_inputs(model_path: Path) -> list[GraphTensor]:
 
 def _cached_signature(model_path: Path) -> _Signature:
     stat = model_path.stat()
-    return _signature(model_path, stat.st_mtime_ns, stat.st_size)
+    return _signature(model_path, f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}")
 
 
-@functools.lru_cache(maxsize=64)
-def _signature(model_path: Path, mtime_ns: int, size: int) -> _Signature:
+@functools.lru_cache(maxsize=1024)
+def _signature(model_path: Path, identity: str) -> _Signature:
+    """The signature, read once per file content on this machine: parsing an ONNX file holds all its inline weights
+    in memory (90 MiB for MiniLM, in every worker that loads it: as much again as the model costs, for the length of
+    the load), so what it found is kept in the cache folder, keyed by the file's identity, for every later load."""
     if is_package(model_path):
         return (*_package_signature(model_path), [])
+    key = hashlib.sha256(f"{model_path.resolve()}\0{identity}".encode()).hexdigest()[:40]
+    stored = cache_dir() / "signatures" / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return _from_json(json.loads(stored.read_text()))
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError, OSError, ... for a broken file
@@ -64,6 +76,24 @@ def _signature(model_path: Path, mtime_ns: int, size: int) -> _Signature:
     inputs = [_tensor(v, model_path) for v in model.graph.input if v.name not in initializers]
     outputs = [_tensor(v, model_path) for v in model.graph.output]
     overridable = [_tensor(v, model_path) for v in model.graph.input if v.name in initializers]
+    del model
+    with contextlib.suppress(OSError):
+        _store(stored, (inputs, outputs, overridable))
+    return inputs, outputs, overridable
+
+
+def _store(path: Path, signature: _Signature) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps([[[t.name, t.wire_type, list(t.shape)] for t in part] for part in signature]))
+    temporary.replace(path)  # whole or not at all, for a worker reading it meanwhile
+
+
+def _from_json(parts: Any) -> _Signature:
+    inputs, outputs, overridable = (
+        [GraphTensor(str(name), str(wire), tuple(int(d) for d in shape)) for name, wire, shape in part]
+        for part in parts
+    )
     return inputs, outputs, overridable
 
 
