@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from tests.support import budget_models, models
 from tests.support.budget_models import PINNED, PYTHON_CONFIG, WIDTH, expected, samples, tree_pss
 from tests.support.server import RunningServer, geserve
+from tests.test_workers import kill_a_worker
 
 HIDDEN = 4096  # 4 MiB of weights per MLP
 MODELS = 30  # the load test's: MLPs m0..m29, m0 pinned
@@ -140,6 +141,13 @@ def test_the_least_recently_used_idle_model_makes_room(repo: Path, calibration: 
         loads = samples(text, "ge_model_load_duration_seconds_count")
         assert loads == {'trigger="on_demand"': 5}
         assert "evicting model 'm2'" in server.log()
+        # A worker that dies comes back with the server's models as they are now (m2 evicted), and their charges.
+        kill_a_worker(server)
+        for _ in range(4):  # new connections: the supervisor spreads them over both workers
+            fresh = httpclient.InferenceServerClient(server.url)
+            entries = [e for e in fresh.get_model_repository_index() if e.get("state") == "READY"]
+            assert {e["name"]: e["memory"] for e in entries} == charges
+            fresh.close()
 
 
 def _grpc_load(server: RunningServer, name: str, pinned: bool) -> None:
