@@ -101,6 +101,7 @@ def test_a_request_whose_deadline_passed_before_it_arrived_never_starts(server: 
         answer = client.unary(INFER, request.SerializeToString(), (("grpc-timeout", "1n"),))
     finally:
         client.close()
-    assert answer.get(b"grpc-status") == b"4", answer  # DEADLINE_EXCEEDED
+    # DEADLINE_EXCEEDED, or the call reset: grpcio's core may cancel a call that expired on arrival that way
+    assert answer.get(b"grpc-status") == b"4" or b":reset" in answer, answer
     time.sleep(0.1)
     assert model_stats(server, "slow_direct")["execution_count"] == before["execution_count"]

@@ -278,12 +278,15 @@ class RawClient:
         stream = self.start_call(path, extra)
         self.conn.send_data(stream, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
         self.send()
-        events = self.events(until=h2.events.StreamEnded)
-        return {bytes(key): bytes(value) for event in events
-                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
-                for key, value in event.headers}
+        events = self.events(until=h2.events.StreamEnded | h2.events.StreamReset)
+        answer = {bytes(key): bytes(value) for event in events
+                  if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                  for key, value in event.headers}
+        if any(isinstance(event, h2.events.StreamReset) for event in events):
+            answer[b":reset"] = b"1"
+        return answer
 
-    def events(self, until: type, answer: bool = True, timeout: float = 5.0) -> list[Any]:
+    def events(self, until: Any, answer: bool = True, timeout: float = 5.0) -> list[Any]:
         """Events received until one of type `until` (or the connection closes, or `timeout`)."""
         seen: list[Any] = []
         deadline = time.monotonic() + timeout

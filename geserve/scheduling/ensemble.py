@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from geserve.backends.base import InferenceHost
 from geserve.config.ensemble import is_ensemble
-from geserve.errors import GeserveError, InternalError, InvalidArgumentError
+from geserve.errors import DeadlineExceededError, GeserveError, InternalError, InvalidArgumentError
 from geserve.scheduling.ensemble_plan import EnsemblePlan, StepPlan
 from geserve.scheduling.inflight import InflightTracker
 from geserve.scheduling.scheduler import AnswersLater, Scheduler, SchedulerKind, SchedulerParts
@@ -239,7 +239,11 @@ class _Execution:
 
     def _fail(self, error: GeserveError) -> None:
         if self._error is None:
-            self._error = error
+            # A step that failed once the ensemble's own deadline had passed failed by it: the ensemble's timer and
+            # its step's are due together, and whichever runs first, the ensemble counts its own deadline.
+            deadline = self._request.deadline
+            passed = deadline is not None and deadline <= time.monotonic()
+            self._error = DeadlineExceededError() if passed else error
         # A decoupled step between two of its responses is let go with the ready calls: its stream is closed now, so
         # that its request is cancelled and counted now, not whenever the collector finds it.
         for call in self._ready:
