@@ -108,9 +108,7 @@ class Admission:
     def admit_ahead(self, deadline: float | None, inflight: int) -> None:
         """Before the request is decoded: refuse it (OverloadedError) by the rules its body cannot change, the limit
         and the caller's `deadline` (a request shed under overload costs no decoding); else nothing."""
-        inflight = max(inflight, self.held)
-        if inflight >= self.limit:
-            self._refuse("concurrency", inflight, "its concurrency limit is reached")
+        inflight = self._within_limit(inflight)
         if deadline is not None and self.service_ns:
             wait_ns, own_ns = self._estimate(inflight)
             self._check_budget(inflight, wait_ns, deadline - own_ns / 1e9)
@@ -118,15 +116,21 @@ class Admission:
     def admit(self, request: InferenceRequest, inflight: int) -> None:
         """Refuse `request` (OverloadedError) when the model cannot take it now, with `inflight` requests in its
         scheduler; else nothing."""
-        inflight = max(inflight, self.held)
-        if inflight >= self.limit:
-            self._refuse("concurrency", inflight, "its concurrency limit is reached")
+        inflight = self._within_limit(inflight)
         levels = self._settings.priority_levels
         if levels > 1 and inflight >= self.limit * self._share(request.priority, levels):
             self._refuse("priority", inflight, f"priority {request.priority} is shed at this load")
         if self.service_ns:
             wait_ns, own_ns = self._estimate(inflight)
             self._check_budget(inflight, wait_ns, self._latest_start(request, own_ns))
+
+    def _within_limit(self, inflight: int) -> int:
+        """The requests the model holds (its scheduler's `inflight` or the service's `held`, the more); refused when
+        they reach the concurrency limit."""
+        inflight = max(inflight, self.held)
+        if inflight >= self.limit:
+            self._refuse("concurrency", inflight, "its concurrency limit is reached")
+        return inflight
 
     def _check_budget(self, inflight: int, wait_ns: float, latest: float | None) -> None:
         """Refuse a request whose turn, `wait_ns` away behind the `inflight` requests ahead of it, comes after the

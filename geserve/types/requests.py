@@ -10,6 +10,10 @@ from geserve.errors import DeadlineExceededError, GeserveError, QueueTimeoutErro
 from geserve.types.streams import ResponseStream
 from geserve.types.tensors import InputTensor, RequestedOutput
 
+# The request parameters that name a request's place in a sequence (Triton's sequence batcher): they change from one
+# request to the next of a sequence.
+SEQUENCE_PARAMETERS = frozenset(("sequence_id", "sequence_start", "sequence_end"))
+
 
 def expiry(request: InferenceRequest, now: float) -> GeserveError | None:
     """Why `request` may no longer start at `now` (service/deadlines.py), or None: its deadline passed, or it waited

@@ -17,6 +17,7 @@ from geserve.backends.python.tensor import Tensor
 from geserve.types import InferenceRequest as CoreRequest
 from geserve.types import InferenceResponse as CoreResponse
 from geserve.types import RequestedOutput
+from geserve.types.requests import SEQUENCE_PARAMETERS
 from geserve.types.streams import StreamResponse
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
@@ -348,7 +349,7 @@ class InferenceRequest:
         wrapped._inputs = [Tensor._from_core(t) for t in request.inputs]
         wrapped._requested = output_names if request.outputs is None else [o.name for o in request.outputs]
         parameters = request.parameters
-        if _SEQUENCE_PARAMETERS.isdisjoint(parameters):
+        if SEQUENCE_PARAMETERS.isdisjoint(parameters):
             wrapped._correlation_id, wrapped._flags, wrapped._parameters = 0, 0, parameters
         else:
             wrapped._correlation_id, wrapped._flags, wrapped._parameters = _sequence_split(parameters)
@@ -387,7 +388,6 @@ async def _async_drain(items: asyncio.Queue[StreamResponse]) -> AsyncIterator[In
             return
 
 
-_SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 
 
 def _sequence_split(parameters: dict[str, Any]) -> tuple[int | str, int, dict[str, Any]]:
@@ -396,7 +396,7 @@ def _sequence_split(parameters: dict[str, Any]) -> tuple[int | str, int, dict[st
     flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if parameters.get("sequence_start") else 0) | (
         TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if parameters.get("sequence_end") else 0
     )
-    rest = {k: v for k, v in parameters.items() if k not in _SEQUENCE_PARAMETERS}
+    rest = {k: v for k, v in parameters.items() if k not in SEQUENCE_PARAMETERS}
     return _correlation_id(parameters.get("sequence_id", 0)), flags, rest
 
 

@@ -26,6 +26,7 @@ from geserve.types import (
     ShmLocation,
     id_prefix,
 )
+from geserve.types.requests import SEQUENCE_PARAMETERS
 from geserve.types.wire import FramingError, element_count, split_bytes, tensor_bytes
 
 _NUMPY_JSON = orjson.OPT_SERIALIZE_NUMPY
@@ -205,7 +206,7 @@ class KnownHeader:
 
     @staticmethod
     def holds(header: dict[str, Any], request: InferenceRequest) -> bool:
-        if header.get("id") or not _SEQUENCE_KEYS.isdisjoint(request.parameters):  # an empty id is no id
+        if header.get("id") or not SEQUENCE_PARAMETERS.isdisjoint(request.parameters):  # an empty id is no id
             return False
         if any(o.shm is not None for o in request.outputs or ()):
             return False
@@ -247,7 +248,6 @@ def remember_prepared(header: bytes, request: InferenceRequest) -> None:
 _KNOWN_HEADERS = 256  # distinct headers kept (per process)
 _KNOWN_HEADER_SIZE = 4096  # longest header kept: what 256 of them may hold stays small whatever clients send
 _known_headers: dict[bytes, KnownHeader] = {}
-_SEQUENCE_KEYS = frozenset(("sequence_id", "sequence_start", "sequence_end"))
 
 
 def _decode_input(
