@@ -737,8 +737,14 @@ def _wait_model(servers: dict[str, Server]) -> None:
             time.sleep(0.2)
 
 
-def admission_state(server: Server) -> dict[str, float]:
-    """geserve's admission metrics for the model: requests shed by reason and the concurrency limit."""
+# Triton's per-model counters, read on both servers: what the model's instance did over a cell.
+_EXECUTION_FAMILIES = {"nv_inference_count": "inferences", "nv_inference_exec_count": "executions",
+                       "nv_inference_compute_infer_duration_us": "infer_us"}
+
+
+def model_state(server: Server) -> dict[str, float]:
+    """The model's metrics: its inferences, executions and compute time (Triton's families, on every server), and
+    geserve's admission: requests shed by reason and the concurrency limit."""
     state: dict[str, float] = {}
     try:
         with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
@@ -746,11 +752,16 @@ def admission_state(server: Server) -> dict[str, float]:
     except OSError:
         return state
     for line in text.splitlines():
-        if line.startswith("ge_overload_shed_total{") and f'model="{MODEL}"' in line:
+        family = line.split("{", 1)[0]
+        if f'model="{MODEL}"' not in line:
+            continue
+        if family == "ge_overload_shed_total":
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             state[f"shed_{reason}"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("ge_overload_concurrency_limit{") and f'model="{MODEL}"' in line:
+        elif family == "ge_overload_concurrency_limit":
             state["limit"] = float(line.rsplit(" ", 1)[1])
+        elif family in _EXECUTION_FAMILIES:
+            state[_EXECUTION_FAMILIES[family]] = float(line.rsplit(" ", 1)[1])
     return state
 
 
@@ -772,7 +783,7 @@ class Run:
 
 def _cell(generator: Generator, server: Server, job: OpenLoop) -> dict[str, Any]:
     """One open-loop cell on `server`, with the server's CPU, admission's counters and others' CPU share."""
-    before = admission_state(server) if server.key.startswith("geserve") else {}
+    before = model_state(server)
     cpu_before, loop_before, wall_before = tree_cpu_s(server.pid), thread_cpu_s(server.pid), time.monotonic()
     with others_share() as others:
         cell = generator.run(job)
@@ -780,9 +791,14 @@ def _cell(generator: Generator, server: Server, job: OpenLoop) -> dict[str, Any]
     cell["server_cpu"] = (tree_cpu_s(server.pid) - cpu_before) / wall
     cell["loop_cpu"] = (thread_cpu_s(server.pid) - loop_before) / wall if server.key.startswith("geserve") else math.nan
     cell["others"] = others[0] if others else math.nan
-    after = admission_state(server) if server.key.startswith("geserve") else {}
-    cell["admission"] = {name: value - before.get(name, 0.0) if name.startswith("shed_") else value
-                         for name, value in after.items()}
+    after = model_state(server)
+    counted = {name: value - before.get(name, 0.0) if name != "limit" else value for name, value in after.items()}
+    executions = counted.pop("executions", 0.0)
+    inferences = counted.pop("inferences", 0.0)
+    cell["batch_avg"] = inferences / executions if executions else math.nan
+    # Triton counts a batch's compute time once for each request in it: per execution, it is that over the batch.
+    cell["instance_busy"] = counted.pop("infer_us", math.nan) / cell["batch_avg"] / 1e6 / wall
+    cell["admission"] = counted
     return cell
 
 
@@ -869,7 +885,7 @@ HEADER = ("| load | server | offered/s | goodput/s | ÷ capacity | p50 ms | p99 
           "| other errors | unanswered |")
 DIAGNOSTICS_HEADER = ("| load | server | generator CPU | send lag p99 / max ms | connections | client backlog max "
                       "| server CPU | others' CPU | health probe p99 / max ms | refusal p50 ms | most late by ms "
-                      "| admission (shed by reason, limit at the end) |")
+                      "| batch avg | instance busy | admission (shed by reason, limit at the end) |")
 
 
 def row(run: Run, load: float, key: str) -> str:
@@ -892,7 +908,7 @@ def diagnostics_row(load: float, key: str, cell: dict[str, Any]) -> str:
             f"{_ms(cell['lag_max_ms'])} | {cell['connections']} | {cell['max_backlog']} | "
             f"{cell['server_cpu']:.0%}{loop} | {cell['others']:.0%} | {_ms(cell['probe_p99_ms'])} / "
             f"{_ms(cell['probe_max_ms'])} | {_ms(cell['refusal_p50_ms'])} | "
-            f"{cell['late_max_ms']:.1f} | {note} |")
+            f"{cell['late_max_ms']:.1f} | {cell['batch_avg']:.1f} | {cell['instance_busy']:.0%} | {note} |")
 
 
 def _times(ratio: float) -> str:
@@ -992,8 +1008,11 @@ def report(run: Run, loads: list[float]) -> str:
               f"run (a cell waits for it to fall below {BUSY_LIMIT:.0%} and is measured again once above it); health "
               f"probe = `GET /v2/health/live` every {PROBE_PERIOD_S * 1000:.0f} ms on a connection of its own during "
               "the counted seconds, answered without the model: how long the server's front door stalls; most late "
-              "by = the latest success's lateness (scheduled arrival + deadline to answer).", "",
-              DIAGNOSTICS_HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "by = the latest success's lateness (scheduled arrival + deadline to answer); batch avg = the model's "
+              "inferences per execution over the cell, instance busy = its compute time per execution "
+              "(nv_inference_compute_infer_duration_us over batch avg) over the cell's wall time (both from each "
+              "server's Triton metrics).", "",
+              DIAGNOSTICS_HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     lines += [diagnostics_row(load, key, run.cells[(load, key)]) for load in loads for key in keys
               if (load, key) in run.cells]
     errors: dict[str, int] = {}

@@ -47,7 +47,7 @@ import uvloop
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from geserve.errors import DeadlineExceededError, GeserveError, QueueTimeoutError
-from geserve.service.deadlines import Watched
+from geserve.service.deadlines import Watched, delivery_allowance
 from geserve.types import InferenceRequest
 from tests.support import models
 from tests.support.ensembles import Ensemble, Step
@@ -361,11 +361,13 @@ def timed(case: str, call: Callable[[], object]) -> tuple[BaseException | None, 
 def assert_answered_at(error: BaseException | None, waited: float, status: str | None, message: str,
                        due: float = DEADLINE_S) -> None:
     """The error `status` (HTTP's "504", gRPC's "StatusCode.DEADLINE_EXCEEDED", None on a stream, whose errors carry
-    a message only) with `message`, answered no earlier than `due` and within BOUND_S of it."""
+    a message only) with `message`, answered no earlier than `due` (a caller's deadline: its delivery allowance
+    before it) and within BOUND_S of it."""
     assert isinstance(error, InferenceServerException), "the request was not refused"
     assert error.status() == status, error
     assert error.message() == message, error
-    assert due <= waited < due + BOUND_S, f"answered after {waited * 1000:.1f} ms"
+    earliest = due - delivery_allowance(due) if message.endswith(DEADLINE_ERROR) else due
+    assert earliest <= waited < due + BOUND_S, f"answered after {waited * 1000:.1f} ms"
 
 
 def assert_never_ran(delta: dict[str, Counts], model: str) -> None:
@@ -680,10 +682,11 @@ def left_grpc(server: RunningServer, model: str, **kwargs: object) -> tuple[floa
 
 
 def assert_left(left: float, given_s: float, round_trip: float, grpc_timeout: bool = False) -> None:
-    """The model saw the time given less what had passed since: no more than given, no less than given minus the
-    call's whole round trip. gRPC sends a deadline under a second in whole milliseconds, rounded up (grpc-timeout
-    "900m" for 0.8996 s): 1 ms over is allowed there."""
-    assert given_s - round_trip <= left <= given_s + (0.001 if grpc_timeout else 0), (left, given_s, round_trip)
+    """The model saw the time given, less its delivery allowance and what had passed since: no more than that, no
+    less than that minus the call's whole round trip. gRPC sends a deadline under a second in whole milliseconds,
+    rounded up (grpc-timeout "900m" for 0.8996 s): 1 ms over is allowed there."""
+    kept = given_s - delivery_allowance(given_s)
+    assert kept - round_trip <= left <= kept + (0.001 if grpc_timeout else 0), (left, given_s, round_trip)
 
 
 def test_a_python_model_without_a_deadline_sees_none(server: RunningServer) -> None:

@@ -33,6 +33,25 @@ Withdraw = Callable[[], None]
 HTTP_DEADLINE_HEADER = b"x-envoy-expected-rq-timeout-ms"
 
 
+# The time an answer takes from the service to its caller (encoding, the socket, the network, the caller's parsing)
+# and a request from its caller to the service: a caller's deadline is kept this much early, so that a success
+# given at its deadline still reaches the caller before the caller's own clock says it is late. At most a tenth of
+# the caller's timeout, so that a short one keeps most of its time.
+DELIVERY_ALLOWANCE_S = 0.001
+_DELIVERY_SHARE = 0.1
+
+
+def delivery_allowance(seconds: float) -> float:
+    """How much early the deadline of a caller who waits `seconds` is kept."""
+    return min(DELIVERY_ALLOWANCE_S, _DELIVERY_SHARE * seconds)
+
+
+def caller_deadline(now: float, seconds: float) -> float:
+    """The deadline of a caller who, at `now`, will wait `seconds` more for the answer: its delivery allowance
+    before that."""
+    return now + seconds - delivery_allowance(seconds)
+
+
 def http_deadline(raw: bytes | None, now: float) -> float | None:
     """The deadline an HTTP request's gateway header gives, None without a usable one (a malformed value is ignored,
     as a gateway's hint should be)."""
@@ -42,7 +61,7 @@ def http_deadline(raw: bytes | None, now: float) -> float | None:
         milliseconds = int(raw)
     except ValueError:
         return None
-    return now + milliseconds / 1000 if milliseconds > 0 else None
+    return caller_deadline(now, milliseconds / 1000) if milliseconds > 0 else None
 
 
 def assign(request: InferenceRequest, call_deadline: float | None, scheduler: object, now: float) -> None:

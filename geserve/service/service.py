@@ -533,16 +533,19 @@ class InferenceService:
         self._leave(model)
         if request.cancelled and not isinstance(result, BaseException):  # its deadline passed while it ran
             result = _gone(request)
+        outcome: InferenceResponse | Exception
         try:
             if isinstance(result, BaseException):
-                error = _as_error(result)
-                _account(model, started, error)
-                outcome: InferenceResponse | Exception = error
-            else:
-                outcome = self._succeeded(model, request, result, started)
-                self._place_outputs(request, outcome)
+                raise _as_error(result)
+            outcome = self._succeeded(model, request, result, started)
         except Exception as exc:
+            _account(model, started, exc)
             outcome = exc
+        else:
+            try:
+                self._place_outputs(request, outcome)
+            except Exception as exc:
+                outcome = exc
         _deliver(answer, outcome, model.name)
 
     def _task_done(
@@ -700,7 +703,12 @@ class InferenceService:
     def _succeeded(
         model: LoadedModel, request: InferenceRequest, response: InferenceResponse, started: int
     ) -> InferenceResponse:
-        """The model's answer, classified as asked and counted as a success."""
+        """The model's answer, classified as asked and counted as a success. Raises, uncounted (its caller counts
+        it), what fails it: DeadlineExceededError once its deadline passed (a success is never delivered after it,
+        even when its timer has not run yet: the loop was busy, or both are due in the same turn)."""
+        deadline = request.deadline
+        if deadline is not None and deadline <= time.monotonic():
+            raise DeadlineExceededError()
         if request.outputs is not None:
             _apply_classification(model, request, response)
         _account(model, started)

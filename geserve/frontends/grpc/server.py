@@ -21,6 +21,7 @@ from geserve.frontends.grpc.status import GRPC_STATUS, grpc_status
 from geserve.frontends.grpc.stream_order import InOrder, Outstanding
 from geserve.frontends.tls import GrpcTls, TlsEndpoint, TlsFiles, grpc_peer_subject
 from geserve.service.context import ApiGroup, CallContext, Transport
+from geserve.service.deadlines import caller_deadline
 from geserve.service.service import InferenceService
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -119,7 +120,7 @@ def call_context(context: grpc.aio.ServicerContext[Any, Any]) -> CallContext:
         Transport.GRPC,
         context.peer() or "",
         {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)},
-        deadline=None if remaining is None else time.monotonic() + remaining,
+        deadline=None if remaining is None else caller_deadline(time.monotonic(), remaining),
         is_cancelled=context.cancelled,
         peer_certificate_subject=grpc_peer_subject(context.auth_context()) if _verifies_clients else None,
     )
