@@ -78,6 +78,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--inline-execution-us", type=int, default=250,
         help="run executions typically taking less CPU time than this on the event loop (0: always on instance "
              "threads)")
+    add("--compute-nice", type=int, default=5,
+        help="run the threads that execute models this many nice levels below the event loop (Linux; 0: the same), so "
+             "that arrivals and answers do not wait behind a running execution on a shared core")
     add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
     add("--http-header-timeout-secs", type=float, default=15.0,
         help="close a connection that has not sent a request's headers within this many seconds (408)")

@@ -34,6 +34,7 @@ from geserve.repository.holder import LocalHolder
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
+from geserve.scheduling import compute_priority
 from geserve.service.context import CallPolicy
 from geserve.service.response_cache import CacheConfigError, ResponseCache, build_response_cache
 from geserve.service.runtime_settings import LogSettings
@@ -67,6 +68,7 @@ class Server:
         budget = _memory_budget(settings)
         self.settings = settings
         self.link = link
+        compute_priority.configure(settings.compute_nice)
         if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
             devices.share_cores(link.count)
         self.store = ModelStore(settings.model_repositories)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from geserve.arrivals import ARRIVALS
 from geserve.backends.base import Execution, ModelInstance, Results
 from geserve.errors import GeserveError, InternalError, UnavailableError
+from geserve.scheduling import compute_priority
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
 from geserve.types.requests import expiry
@@ -55,6 +56,7 @@ class Worker:
         self.thread.start()
 
     def _serve(self) -> None:
+        compute_priority.lower_this_thread()
         while (job := self.jobs.get()) is not None:
             requests, future, loop = job
             started = time.thread_time_ns()

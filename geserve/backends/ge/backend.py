@@ -35,6 +35,7 @@ from geserve.devices.cuda import visible_gpus
 from geserve.devices.target import accelerator_of
 from geserve.errors import InvalidArgumentError, UnavailableError
 from geserve.metrics.custom import CustomMetricStore
+from geserve.scheduling import compute_priority
 from geserve.types.datatypes import BY_CONFIG
 
 logger = logging.getLogger(__name__)
@@ -360,12 +361,12 @@ def _create_session(
         session_options.enable_profiling = True
         session_options.profile_file_prefix = str(dump_dir / "profile")
     try:
-        session = ort.InferenceSession(
+        session = compute_priority.started_lowered(lambda: ort.InferenceSession(
             graph if isinstance(graph, bytes) else str(graph),
             session_options,
             providers=[name for name, _ in target.providers],
             provider_options=[opts for _, opts in target.providers],
-        )
+        ))
     except Exception as exc:
         raise UnavailableError(f"onnxruntime could not load {path}: {exc}") from None
     # A provider whose libraries fail to load (CUDA, cuDNN, TensorRT) is dropped with a log line, and the session

@@ -27,6 +27,7 @@ from geserve.backends.python.messages import (
     TritonModelException,
 )
 from geserve.errors import GeserveError, InternalError, UnavailableError
+from geserve.scheduling import compute_priority
 from geserve.types import InferenceRequest as CoreRequest
 from geserve.types import InferenceResponse as CoreResponse
 from geserve.types.streams import ResponseStream, StreamClosedError, StreamResponse
@@ -45,6 +46,7 @@ class _LoopThread:
         self._thread.start()
 
     def _run(self, host: InferenceHost, scope: metrics.MetricScope) -> None:
+        compute_priority.lower_this_thread()  # the model's coroutines compute: below the server's event loop
         runtime.bind_thread(host)
         metrics.bind_thread(scope)
         asyncio.set_event_loop(self.loop)

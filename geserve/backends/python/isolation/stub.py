@@ -39,6 +39,7 @@ from geserve.backends.python.isolation.remote import (
 from geserve.config import ModelConfig, message_to_json_dict
 from geserve.errors import InternalError
 from geserve.ipc import lane
+from geserve.scheduling import compute_priority
 from geserve.types import InferenceRequest
 
 _T = TypeVar("_T")
@@ -134,6 +135,7 @@ def main(argv: list[str]) -> None:
     sock_fd, lane_fd, to_stub, from_stub, level = (int(value) for value in argv)
     logging.getLogger().setLevel(level)  # the server's level at start; it filters again by its own on arrival
     logging.getLogger("geserve.python_model").setLevel(logging.DEBUG)  # pb_utils.Logger: verbose may be turned on
+    compute_priority.configure(0)  # the server started this whole process at its compute threads' priority
     try:
         asyncio.run(serve(socket.socket(fileno=sock_fd), socket.socket(fileno=lane_fd), to_stub, from_stub))
     finally:
