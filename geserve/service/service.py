@@ -534,19 +534,36 @@ class InferenceService:
         if request.cancelled and not isinstance(result, BaseException):  # its deadline passed while it ran
             result = _gone(request)
         outcome: InferenceResponse | Exception
+        if isinstance(result, BaseException):
+            outcome = _as_error(result)
+            _account(model, started, outcome)
+        else:
+            outcome = self._answer_of(model, request, result, started)
+        _deliver(answer, outcome, model.name)
+
+    def _answer_of(
+        self, model: LoadedModel, request: InferenceRequest, response: InferenceResponse, started: int
+    ) -> InferenceResponse | Exception:
+        """A model's answer as delivered (`_succeeded`, its outputs placed where asked), or what failed it, counted:
+        DeadlineExceededError once its deadline passed (a success is never delivered after it, even when its timer
+        has not run yet: the loop was busy, or both are due in the same turn). That one is made, not raised: a
+        raised error's traceback holds the frames that keep it, a cycle only the cyclic collector frees (its
+        collections stalled the loop for tens of ms at 4x overload)."""
+        deadline = request.deadline
+        if deadline is not None and deadline <= time.monotonic():
+            expired = DeadlineExceededError()
+            _account(model, started, expired)
+            return expired
         try:
-            if isinstance(result, BaseException):
-                raise _as_error(result)
-            outcome = self._succeeded(model, request, result, started)
+            outcome = self._succeeded(model, request, response, started)
         except Exception as exc:
             _account(model, started, exc)
-            outcome = exc
-        else:
-            try:
-                self._place_outputs(request, outcome)
-            except Exception as exc:
-                outcome = exc
-        _deliver(answer, outcome, model.name)
+            return exc
+        try:
+            self._place_outputs(request, outcome)
+        except Exception as exc:
+            return exc
+        return outcome
 
     def _task_done(
         self, model: LoadedModel, request: InferenceRequest, answer: Answer, task: asyncio.Task[InferenceResponse]
@@ -703,12 +720,7 @@ class InferenceService:
     def _succeeded(
         model: LoadedModel, request: InferenceRequest, response: InferenceResponse, started: int
     ) -> InferenceResponse:
-        """The model's answer, classified as asked and counted as a success. Raises, uncounted (its caller counts
-        it), what fails it: DeadlineExceededError once its deadline passed (a success is never delivered after it,
-        even when its timer has not run yet: the loop was busy, or both are due in the same turn)."""
-        deadline = request.deadline
-        if deadline is not None and deadline <= time.monotonic():
-            raise DeadlineExceededError()
+        """The model's answer, classified as asked and counted as a success."""
         if request.outputs is not None:
             _apply_classification(model, request, response)
         _account(model, started)
