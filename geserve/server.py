@@ -14,6 +14,7 @@ from functools import partial
 from geserve import devices
 from geserve.arrivals import ARRIVALS
 from geserve.backends.registry import BackendRegistry
+from geserve.devices import compute_priority
 from geserve.devices.nvml import GPU_FAMILY_NAMES, GpuCollector, load_nvml
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.base import Frontend
@@ -34,7 +35,6 @@ from geserve.repository.holder import LocalHolder
 from geserve.repository.lifecycle import LifecycleOptions, ModelManager
 from geserve.repository.poller import RepositoryPoller
 from geserve.repository.store import ModelStore
-from geserve.scheduling import compute_priority
 from geserve.service.context import CallPolicy
 from geserve.service.response_cache import CacheConfigError, ResponseCache, build_response_cache
 from geserve.service.runtime_settings import LogSettings

@@ -90,7 +90,7 @@ class ServerSettings:
     compute_nice: int = 5
     """How many nice levels below the event loop the threads that execute models run (Linux; 0: the same level): the
     loop then preempts them at once on a shared core, so arrivals, refusals, answers and health probes do not wait for
-    a compute thread's time slice (scheduling/compute_priority.py)."""
+    a compute thread's time slice (devices/compute_priority.py)."""
     """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
     never)."""
     http_thread_count: int = 0

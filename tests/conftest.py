@@ -1,4 +1,5 @@
-"""Shared fixtures: test model repositories and a real geserve server process per session."""
+"""Shared fixtures: test model repositories and a real geserve server process per session; a failed test's report
+carries the log of each server it used."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ import pytest
 
 from tests.support import models
 from tests.support.server import RunningServer, geserve
+
+SERVER_LOG_TAIL = 6000  # characters: the last requests before a failure, not a whole module's history
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failed test's report ends with the log of each server it used: CI keeps only what pytest prints, and a
+    server-side cause (a traceback, a restart) is otherwise lost with the server's temporary folder."""
+    report: pytest.TestReport = yield
+    if report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, RunningServer) and value.log_path.exists():
+                report.sections.append((f"geserve log ({name}, last {SERVER_LOG_TAIL} characters)",
+                                        value.log()[-SERVER_LOG_TAIL:]))
+    return report
 
 
 @pytest.fixture(scope="module", autouse=True)

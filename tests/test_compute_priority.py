@@ -1,4 +1,4 @@
-"""The compute threads' priority (--compute-nice, scheduling/compute_priority.py): model executions run below the event
+"""The compute threads' priority (--compute-nice, devices/compute_priority.py): model executions run below the event
 loop, and so do the intra-op threads ONNX Runtime starts for a session; checked on real threads and on a real server
 process with a real ONNX Runtime session (Linux: /proc shows each thread's nice value)."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from geserve.scheduling import compute_priority
+from geserve.devices import compute_priority
 from tests.support import models
 from tests.support.server import geserve
 

@@ -1,5 +1,6 @@
 """Devices: where an instance runs (placement), which ONNX Runtime execution provider runs it and with what options
-(CPU, CUDA, TensorRT, CANN), device memory shared with clients (CUDA IPC) and device metrics (NVML).
+(CPU, CUDA, TensorRT, CANN), the compute threads' CPU priority below the event loop, device memory shared with
+clients (CUDA IPC) and device metrics (NVML).
 
 Every accelerator library is imported where it is used and guarded: a CPU-only install imports none of them.
 """

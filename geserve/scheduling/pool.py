@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 from geserve.arrivals import ARRIVALS
 from geserve.backends.base import Execution, ModelInstance, Results
+from geserve.devices import compute_priority
 from geserve.errors import GeserveError, InternalError, UnavailableError
-from geserve.scheduling import compute_priority
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
 from geserve.types.requests import expiry

@@ -30,12 +30,12 @@ from geserve.compiler.package import read_manifest
 from geserve.compiler.tensorflow import is_saved_model
 from geserve.config import ModelConfig
 from geserve.config.sequence import sequence_inputs, sequence_outputs
+from geserve.devices import compute_priority
 from geserve.devices.cann import gears_from_ge
 from geserve.devices.cuda import visible_gpus
 from geserve.devices.target import accelerator_of
 from geserve.errors import InvalidArgumentError, UnavailableError
 from geserve.metrics.custom import CustomMetricStore
-from geserve.scheduling import compute_priority
 from geserve.types.datatypes import BY_CONFIG
 
 logger = logging.getLogger(__name__)

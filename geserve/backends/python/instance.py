@@ -26,8 +26,8 @@ from geserve.backends.python.messages import (
     InferenceResponseSender,
     TritonModelException,
 )
+from geserve.devices import compute_priority
 from geserve.errors import GeserveError, InternalError, UnavailableError
-from geserve.scheduling import compute_priority
 from geserve.types import InferenceRequest as CoreRequest
 from geserve.types import InferenceResponse as CoreResponse
 from geserve.types.streams import ResponseStream, StreamClosedError, StreamResponse

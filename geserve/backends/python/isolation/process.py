@@ -22,10 +22,10 @@ from pathlib import Path
 
 import geserve.errors
 from geserve.backends.python.isolation.channel import Channel, Handler
+from geserve.devices import compute_priority
 from geserve.errors import GeserveError, UnavailableError
 from geserve.ipc.arena import create_segment
 from geserve.ipc.lane import Lane
-from geserve.scheduling import compute_priority
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from geserve.backends.python.isolation.remote import (
     RequestFields,
 )
 from geserve.config import ModelConfig, message_to_json_dict
+from geserve.devices import compute_priority
 from geserve.errors import InternalError
 from geserve.ipc import lane
-from geserve.scheduling import compute_priority
 from geserve.types import InferenceRequest
 
 _T = TypeVar("_T")
