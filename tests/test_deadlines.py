@@ -88,20 +88,26 @@ def test_a_queued_request_past_its_deadline_is_answered_then_and_never_runs(serv
     client.close()
 
 
-def test_a_request_whose_deadline_passed_before_it_arrived_never_starts(server: RunningServer) -> None:
+def test_a_request_whose_deadline_passed_before_it_arrived_never_starts(
+    server: RunningServer, request: pytest.FixtureRequest
+) -> None:
     """gRPC clients send a deadline under a second in whole milliseconds, rounded up (tritonclient's 1 µs
     `client_timeout` arrives as grpc-timeout "1m", and the server may well answer within that millisecond), so a raw
-    HTTP/2 client sends one that has passed by the time anything reads it: 1 ns."""
-    request = pb.ModelInferRequest(model_name="slow_direct")
-    request.inputs.add(name="IN", datatype="FP32", shape=[1])
-    request.raw_input_contents.append(np.zeros(1, np.float32).tobytes())
+    HTTP/2 client sends one that has passed by the time anything reads it: 1 ns. grpcio's core keeps deadlines in
+    whole milliseconds too (it rounds 1 ns up to the next one), so on grpc.aio the call may still have time when the
+    service reads it and may start: there only the answer is checked (the count failed in a full-suite run)."""
+    rounds_up = "grpcio" in request.node.name
+    message = pb.ModelInferRequest(model_name="slow_direct")
+    message.inputs.add(name="IN", datatype="FP32", shape=[1])
+    message.raw_input_contents.append(np.zeros(1, np.float32).tobytes())
     before = model_stats(server, "slow_direct")
     client = RawClient(int(server.grpc_url.rsplit(":", 1)[1]))
     try:
-        answer = client.unary(INFER, request.SerializeToString(), (("grpc-timeout", "1n"),))
+        answer = client.unary(INFER, message.SerializeToString(), (("grpc-timeout", "1n"),))
     finally:
         client.close()
     # DEADLINE_EXCEEDED, or the call reset: grpcio's core may cancel a call that expired on arrival that way
     assert answer.get(b"grpc-status") == b"4" or b":reset" in answer, answer
-    time.sleep(0.1)
-    assert model_stats(server, "slow_direct")["execution_count"] == before["execution_count"]
+    if not rounds_up:
+        time.sleep(0.1)
+        assert model_stats(server, "slow_direct")["execution_count"] == before["execution_count"]

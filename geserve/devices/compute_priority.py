@@ -32,11 +32,21 @@ def configure(nice: int) -> None:
 def lower_this_thread() -> None:
     """Lower the calling thread, as a compute thread (an instance's worker, at its start). Never raises: a platform
     without per-thread nice values keeps its priority."""
+    _lower(threading.get_native_id())
+
+
+def lower_process(pid: int) -> None:
+    """Lower a child process just started (an isolated Python model's, all of it compute): its main thread, whose
+    nice value the threads it starts inherit. Never raises (a child already gone keeps nothing to lower)."""
+    _lower(pid)
+
+
+def _lower(task: int) -> None:
+    """`task` (a thread's native id, or a process's main thread: Linux keeps a nice value per thread) lowered."""
     if _compute_nice == 0 or not sys.platform.startswith("linux"):
         return
-    thread = threading.get_native_id()
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + _compute_nice)
+        os.setpriority(os.PRIO_PROCESS, task, os.getpriority(os.PRIO_PROCESS, task) + _compute_nice)
 
 
 def started_lowered(create: Callable[[], _T]) -> _T:

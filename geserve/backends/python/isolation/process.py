@@ -95,11 +95,11 @@ class ModelProcess:
         to_stub, from_stub = create_segment(name=f"{name}-in"), create_segment(name=f"{name}-out")
         passed = (theirs.fileno(), their_lane.fileno(), to_stub, from_stub)
         try:
-            # Started from a lowered thread: the model's process, all of it compute, runs below the event loop.
-            process = compute_priority.started_lowered(lambda: subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", STUB_MODULE, *map(str, passed), str(logging.getLogger().getEffectiveLevel())],
                 pass_fds=passed, start_new_session=True, stdin=subprocess.DEVNULL, env=_environment(),
-            ))
+            )
+            compute_priority.lower_process(process.pid)  # all of it compute: below the event loop
             channel = Channel(loop, out_fd=to_stub, in_fd=from_stub, name=f"python-model-{name}")
         finally:
             theirs.close()
