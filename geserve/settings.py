@@ -87,12 +87,12 @@ class ServerSettings:
     concurrency limit, priorities shed lowest first, and requests that cannot be answered before their deadline
     refused at arrival (HTTP 503 + Retry-After, gRPC UNAVAILABLE) instead of queued (scheduling/admission.py)."""
     inline_execution_us: int = 250
+    """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
+    never)."""
     compute_nice: int = 5
     """How many nice levels below the event loop the threads that execute models run (Linux; 0: the same level): the
     loop then preempts them at once on a shared core, so arrivals, refusals, answers and health probes do not wait for
     a compute thread's time slice (devices/compute_priority.py)."""
-    """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
-    never)."""
     http_thread_count: int = 0
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
     http_header_timeout_secs: float = 15.0

@@ -41,9 +41,14 @@ def lower_process(pid: int) -> None:
     _lower(pid)
 
 
+def _lowers() -> bool:
+    """Whether compute threads run lowered here: a nice offset is set, and the platform keeps one per thread."""
+    return _compute_nice > 0 and sys.platform.startswith("linux")
+
+
 def _lower(task: int) -> None:
     """`task` (a thread's native id, or a process's main thread: Linux keeps a nice value per thread) lowered."""
-    if _compute_nice == 0 or not sys.platform.startswith("linux"):
+    if not _lowers():
         return
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, task, os.getpriority(os.PRIO_PROCESS, task) + _compute_nice)
@@ -52,7 +57,7 @@ def _lower(task: int) -> None:
 def started_lowered(create: Callable[[], _T]) -> _T:
     """`create()` run on a short-lived lowered thread, so that the threads it starts (an ONNX Runtime session's
     intra-op pool) inherit the lowered priority; its result or its exception, as if called here."""
-    if _compute_nice == 0 or not sys.platform.startswith("linux"):
+    if not _lowers():
         return create()
     outcome: list[_T] = []
     failure: list[BaseException] = []
