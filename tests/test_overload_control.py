@@ -542,10 +542,11 @@ def test_nothing_is_refused_at_low_load(on_server: RunningServer) -> None:
 
 
 def test_a_request_that_cannot_make_its_deadline_is_refused_at_once(on_server: RunningServer, load: Load) -> None:
-    """Once the model's service time is measured (about 0.15 s per request), with 3 requests held (0.45 s of work
-    ahead, 0.6 s to the end of a new one) a request that cannot make it is refused at arrival, well before either
-    passes: its queue timeout (`timeout`, 0.3 s) passes before its turn (HTTP 503 with Retry-After), or the caller's
-    deadline (gRPC's 0.3 s and 0.55 s, the HTTP gateway header's 300 ms) before its end (gRPC UNAVAILABLE, not
+    """Once the model's service time is measured (about 0.15 s per request), with 3 requests held (the expected rest
+    of the running one, half its time, and the 2 queued: 0.375 s of work ahead, 0.525 s to the end of a new one) a
+    request that cannot make it is refused at arrival, well before either passes: its queue timeout (`timeout`,
+    0.3 s) passes before its turn (HTTP 503 with Retry-After), or the caller's deadline (gRPC's 0.3 s, and 0.5 s,
+    after its turn but before its end; the HTTP gateway header's 300 ms) before its end (gRPC UNAVAILABLE, not
     DEADLINE_EXCEEDED later), each shed for `deadline`. A queue timeout bounds only the wait: one of 0.55 s, whose
     turn comes in time by the estimate, is admitted (here its turn comes later, behind the 1.5 s request: it is
     answered "Request timeout expired" at 0.55 s, as it would be without admission control). One with a 30 s
@@ -564,7 +565,7 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_at_once(on_server: R
     assert_refusal(gateway, model)
     assert gateway.status == "503" and "deadline" in gateway.message
     assert gateway.seconds < 0.3, f"refused after {gateway.seconds:.3f} s"
-    for deadline_s in (0.3, 0.55):
+    for deadline_s in (0.3, 0.5):
         started = time.monotonic()
         with pytest.raises(InferenceServerException) as called:
             load.client.infer(model, grpc_inputs(model, 0.0), client_timeout=deadline_s)
