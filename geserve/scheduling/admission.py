@@ -16,8 +16,9 @@ requests the service took for it and has not answered, `held`, whichever is more
   are: a queue of a batch or more runs in full batches, so it is charged the time measured over batches at least
   half full (at low load the batches are small, and their time per request, up to the batch size times more,
   refused bursts the model would have answered in time), and it waits for whole batches (the one running charged at
-  half, its expected rest), not for each request ahead of it (the requests queued in its batch run with it: charging them one after the other kept the queue
-  short of a second full batch, and the model ran half-full batches under overload).
+  half, its expected rest), not for each request ahead of it (the requests queued in its batch run with it:
+  charging them one after the other kept the queue short of a second full batch, and the model ran half-full batches
+  under overload).
 
 Written here rather than taken from a library: no Python library does it for an asyncio server, and the whole
 check is a few comparisons per request.
@@ -141,10 +142,10 @@ class Admission:
     def _estimate(self, inflight: int) -> tuple[float, float]:
         """How long a request arriving behind `inflight` waits for its turn, and how long its own execution then
         takes. A queue that fills batches runs in rounds (a full batch on every instance, at the service time measured
-        over full batches): the request waits for the rest of the round running (half of it, expected: charging it whole
-        refused requests at 4x the capacity that would have met their deadline) and the full rounds queued ahead of
-        it, then runs in its own; the requests queued in its round run with it, not before it. A shorter queue waits at most
-        for the batch running and goes in the next."""
+        over full batches): the request waits for the rest of the round running (half of it, expected: charging it
+        whole refused requests at 4x the capacity that would have met their deadline) and the full rounds queued ahead
+        of it, then runs in its own; the requests queued in its round run with it, not before it. A shorter queue waits
+        at most for the batch running and goes in the next."""
         batch = self._settings.batch
         full = self.full_service_ns or self.service_ns
         if inflight >= batch:
