@@ -81,6 +81,10 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--compute-nice", type=int, default=5,
         help="run the threads that execute models this many nice levels below the event loop (Linux; 0: the same), so "
              "that arrivals and answers do not wait behind a running execution on a shared core")
+    add("--loop-batching", type=_bool, default=True, metavar="on|off",
+        help="while admission control refuses arrivals, batch-schedule the event loop (Linux SCHED_BATCH): arrivals "
+             "wait for the scheduler's tick instead of each preempting a running execution; deadlines are kept that "
+             "much earlier")
     add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
     add("--http-header-timeout-secs", type=float, default=15.0,
         help="close a connection that has not sent a request's headers within this many seconds (408)")

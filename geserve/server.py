@@ -15,6 +15,7 @@ from geserve import devices
 from geserve.arrivals import ARRIVALS
 from geserve.backends.registry import BackendRegistry
 from geserve.devices import compute_priority
+from geserve.devices.loop_batching import LOOP_BATCHING
 from geserve.devices.nvml import GPU_FAMILY_NAMES, GpuCollector, load_nvml
 from geserve.errors import GeserveError, InvalidArgumentError
 from geserve.frontends.base import Frontend
@@ -69,6 +70,7 @@ class Server:
         self.settings = settings
         self.link = link
         compute_priority.configure(settings.compute_nice)
+        LOOP_BATCHING.configure(settings.loop_batching)
         if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
             devices.share_cores(link.count)
         self.store = ModelStore(settings.model_repositories)

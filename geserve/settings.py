@@ -93,6 +93,10 @@ class ServerSettings:
     """How many nice levels below the event loop the threads that execute models run (Linux; 0: the same level): the
     loop then preempts them at once on a shared core, so arrivals, refusals, answers and health probes do not wait for
     a compute thread's time slice (devices/compute_priority.py)."""
+    loop_batching: bool = True
+    """While admission control refuses arrivals, the event loop runs as SCHED_BATCH (Linux): an arrival waits for the
+    scheduler's tick instead of preempting a running execution, and deadlines are kept that wait earlier
+    (devices/loop_batching.py)."""
     http_thread_count: int = 0
     """Accepted for tritonserver compatibility; the HTTP frontend runs on the event loop."""
     http_header_timeout_secs: float = 15.0

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from geserve.config import ModelConfig
+from geserve.devices.loop_batching import LOOP_BATCHING
 from geserve.errors import OverloadedError
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
@@ -174,6 +175,7 @@ class Admission:
 
     def _refuse(self, reason: str, inflight: int, why: str) -> None:
         self.shed[reason] += 1
+        LOOP_BATCHING.refused(time.monotonic())
         wait_s = inflight * self.service_ns / 1e9
         raise OverloadedError(
             f"model '{self._name}' is overloaded: {why} ({inflight} requests held, limit {int(self.limit)})",

@@ -22,6 +22,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from geserve.devices.loop_batching import LOOP_BATCHING
 from geserve.errors import DeadlineExceededError
 from geserve.types import InferenceRequest, InferenceResponse
 from geserve.types.requests import expiry
@@ -48,8 +49,9 @@ def delivery_allowance(seconds: float) -> float:
 
 def caller_deadline(now: float, seconds: float) -> float:
     """The deadline of a caller who, at `now`, will wait `seconds` more for the answer: its delivery allowance
-    before that."""
-    return now + seconds - delivery_allowance(seconds)
+    before that, and the time the request may have waited unread while the loop was batch-scheduled
+    (devices/loop_batching.py): the caller's clock started then."""
+    return now + seconds - delivery_allowance(seconds) - LOOP_BATCHING.read_delay_s(now)
 
 
 def http_deadline(raw: bytes | None, now: float) -> float | None:
