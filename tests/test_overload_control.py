@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -62,6 +63,7 @@ ON_MODELS = {
     "quota": DIRECT + parameter("overload_queue_budget_ms", "150"),
     "together": DIRECT,
     "streamed": DIRECT + "model_transaction_policy { decoupled: true }\n",
+    "scheduled": DIRECT,
     "step": DIRECT,  # the step of `pipeline` (an ensemble) and the model `caller` (BLS) calls
 }
 # The server started without the flag (off by default).
@@ -463,6 +465,27 @@ def test_a_burst_past_the_limit_is_refused_and_counted(on_server: RunningServer,
     assert value(families, "ge_overload_shed_total", model=model, reason="concurrency") - before_shed \
         == total_refused
     assert value(families, "ge_overload_concurrency_limit", model=model) >= 2  # never under its floor
+
+
+def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
+    on_server: RunningServer, load: Load
+) -> None:
+    """While admission control refuses, the server's event loop (its main thread) runs as SCHED_BATCH, as the kernel
+    reports it; a second or so after the last refusal it runs as SCHED_OTHER again (devices/loop_batching.py)."""
+    model = "scheduled"
+    loop_thread = on_server.process.pid
+    deadline = time.monotonic() + 10
+    while os.sched_getscheduler(loop_thread) != os.SCHED_OTHER:  # an earlier test's refusals may still hold it
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    filled = fill(load, on_server, model, limit_of(on_server, model))
+    assert_refusal(http_call(on_server, model, 0.0), model)
+    assert os.sched_getscheduler(loop_thread) == os.SCHED_BATCH
+    assert_answered(filled)
+    deadline = time.monotonic() + 10
+    while os.sched_getscheduler(loop_thread) != os.SCHED_OTHER:
+        assert time.monotonic() < deadline, "the loop stayed batch-scheduled with nothing refused"
+        time.sleep(0.1)
 
 
 def test_requests_arriving_together_are_admitted_against_each_other(on_server: RunningServer) -> None:

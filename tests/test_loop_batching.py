@@ -1,0 +1,91 @@
+"""The event loop batch-scheduled while admission control refuses (devices/loop_batching.py): the thread's real
+scheduling policy as the kernel reports it, switched on a refusal and back after a refusal-free window, and the
+deadline a caller's timeout gives kept the read delay earlier meanwhile. On a real asyncio loop; Linux only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from geserve.devices import loop_batching
+from geserve.devices.loop_batching import LOOP_BATCHING, LoopBatching, kernel_tick_s
+from geserve.service.deadlines import DELIVERY_ALLOWANCE_S, caller_deadline
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
+
+
+def policy() -> int:
+    return os.sched_getscheduler(threading.get_native_id())
+
+
+@pytest.fixture(autouse=True)
+def normal_afterwards() -> Iterator[None]:
+    yield
+    os.sched_setscheduler(threading.get_native_id(), os.SCHED_OTHER, os.sched_param(0))
+
+
+def test_the_tick_is_the_kernels() -> None:
+    assert kernel_tick_s() in (1 / 100, 1 / 250, 1 / 300, 1 / 1000)
+
+
+def test_a_refusal_batch_schedules_the_loop_until_a_quiet_window_passes() -> None:
+    switch = LoopBatching(idle_window_s=0.1)
+    seen: dict[str, object] = {}
+
+    async def run() -> None:
+        assert policy() == os.SCHED_OTHER and switch.read_delay_s(time.monotonic()) == 0.0
+        switch.refused(time.monotonic())
+        seen["during"] = (policy(), switch.batched, switch.read_delay_s(time.monotonic()))
+        await asyncio.sleep(0.06)
+        last = time.monotonic()
+        switch.refused(last)  # a later refusal keeps it batched past the first window
+        await asyncio.sleep(0.08)
+        seen["renewed"] = policy()
+        await asyncio.sleep(0.1)
+        # it went back a window after the last refusal at the earliest: a request read just after may still have
+        # waited a tick, one read a second later not
+        just_after = last + 0.1 + switch.bound_s / 2
+        seen["after"] = (policy(), switch.batched, switch.read_delay_s(just_after), switch.read_delay_s(last + 1.0))
+
+    asyncio.run(run())
+    assert seen["during"] == (os.SCHED_BATCH, True, switch.bound_s)
+    assert seen["renewed"] == os.SCHED_BATCH
+    assert seen["after"] == (os.SCHED_OTHER, False, switch.bound_s, 0.0)
+    assert switch.bound_s > kernel_tick_s()
+
+
+def test_switched_off_or_off_any_loop_nothing_changes() -> None:
+    switch = LoopBatching(idle_window_s=0.05)
+    switch.refused(time.monotonic())  # no running loop: nothing could switch it back
+    assert policy() == os.SCHED_OTHER and not switch.batched
+    switch.configure(False)
+
+    async def run() -> None:
+        switch.refused(time.monotonic())
+
+    asyncio.run(run())
+    assert policy() == os.SCHED_OTHER and not switch.batched
+
+
+def test_a_callers_deadline_is_kept_the_read_delay_earlier_while_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_batching, "LOOP_BATCHING", LOOP_BATCHING)
+    monkeypatch.setattr(LOOP_BATCHING, "_idle_window_s", 0.05)
+    deadlines: list[float] = []
+
+    async def run() -> None:
+        now = time.monotonic()
+        deadlines.append(caller_deadline(now, 0.05) - now)
+        LOOP_BATCHING.refused(now)
+        deadlines.append(caller_deadline(now, 0.05) - now)
+        await asyncio.sleep(0.1)
+
+    asyncio.run(run())
+    assert deadlines[0] == pytest.approx(0.05 - DELIVERY_ALLOWANCE_S)
+    assert deadlines[1] == pytest.approx(0.05 - DELIVERY_ALLOWANCE_S - LOOP_BATCHING.bound_s)
+    assert not LOOP_BATCHING.batched
