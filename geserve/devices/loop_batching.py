@@ -2,11 +2,12 @@
 as SCHED_BATCH, so that an arrival no longer preempts the model's compute thread the moment it lands.
 
 Why: at four times a model's capacity most arrivals are refused, each in a few µs of Python, but each also woke the
-loop on its own: two context switches on the model's core and a loop iteration for one request (bench/overload_bench.py,
-2-vCPU VM: the loop took 16% of the model's core at 4x, 11% batch-scheduled, and goodput rose from 0.80-0.89 to
-0.88-0.97 of capacity over three alternating runs each). Batch-scheduled, a woken loop waits for the scheduler's
-next tick while a compute thread runs (not at all on an idle core) and then reads every arrival of that tick at
-once; the compute threads' lower nice value (compute_priority.py) still gives it the core at that tick.
+loop on its own: two context switches on the model's core and a loop iteration for one request. Batch-scheduled, a
+woken loop waits for the scheduler's next tick while a compute thread runs (not at all on an idle core) and then
+reads every arrival of that tick at once; the compute threads' lower nice value (compute_priority.py) still gives it
+the core at that tick. Measured (bench/overload_bench.py, 2-vCPU VM, three alternating pairs of runs): the loop took
+15-16% of the model's core at 4x, 11-13% batch-scheduled; goodput at 4x 472-482/s, 473-503/s batch-scheduled; at 2x
+483-493/s, 498-502/s.
 
 The price is that wait, at most one tick plus a slice: a request may sit that long in its socket before the loop
 reads it, and the server's clock starts its deadline that late. `read_delay_s` is that bound while it can apply,
