@@ -31,6 +31,7 @@ from pathlib import Path
 IDLE_WINDOW_S = 1.0  # the loop is scheduled normally again once nothing was refused for this long
 _DEFAULT_HZ = 250  # the common distribution kernels' tick when the kernel's configuration cannot be read
 _SLICE_S = 0.001  # what a running thread may keep of its slice past the tick (EEVDF's run-to-parity)
+_SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "SCHED_BATCH")
 
 
 def kernel_tick_s() -> float:
@@ -51,7 +52,7 @@ class LoopBatching:
     __slots__ = ("_enabled", "_idle_window_s", "_last_refusal", "_settled_at", "_thread", "bound_s")
 
     def __init__(self, idle_window_s: float = IDLE_WINDOW_S) -> None:
-        self._enabled = sys.platform.startswith("linux") and hasattr(os, "SCHED_BATCH")
+        self._enabled = _SUPPORTED
         self._idle_window_s = idle_window_s
         self._thread = 0  # the batch-scheduled loop thread's native id; 0 while it runs normally
         self._last_refusal = 0.0
@@ -60,7 +61,7 @@ class LoopBatching:
 
     def configure(self, enabled: bool) -> None:
         """`--loop-batching`: whether refusals may batch-schedule the loop (off: it always wakes at once)."""
-        self._enabled = enabled and sys.platform.startswith("linux") and hasattr(os, "SCHED_BATCH")
+        self._enabled = enabled and _SUPPORTED
 
     @property
     def batched(self) -> bool:
