@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from geserve.devices import loop_batching
 from geserve.devices.loop_batching import LOOP_BATCHING, LoopBatching, kernel_tick_s
 from geserve.service.deadlines import DELIVERY_ALLOWANCE_S, caller_deadline
 
@@ -74,7 +73,6 @@ def test_switched_off_or_off_any_loop_nothing_changes() -> None:
 
 
 def test_a_callers_deadline_is_kept_the_read_delay_earlier_while_batched(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop_batching, "LOOP_BATCHING", LOOP_BATCHING)
     monkeypatch.setattr(LOOP_BATCHING, "_idle_window_s", 0.05)
     monkeypatch.setattr(LOOP_BATCHING, "_settled_at", 0.0)  # restored after: later tests see no read delay
     deadlines: list[float] = []
