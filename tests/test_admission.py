@@ -3,12 +3,16 @@ that batches can still answer in time, from its measured service time and the re
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
 
-from geserve.errors import OverloadedError
+from geserve.backends.base import Execution, ModelInstance
+from geserve.errors import InternalError, OverloadedError
 from geserve.scheduling.admission import Admission, AdmissionSettings
+from geserve.scheduling.pool import InstancePool
 from geserve.statistics import ModelStatistics
 from geserve.types import InferenceRequest
 
@@ -59,3 +63,98 @@ def test_instances_run_their_batches_together() -> None:
 def test_an_idle_model_charges_one_requests_time() -> None:
     assert admitted(admission(), 0, deadline_ms=2.5)
     assert not admitted(admission(), 0, deadline_ms=1.5)
+
+
+class HeldInstance(ModelInstance):
+    """Runs a batch once `gate` is set (answers nothing: admission only looks at when it started and its rows)."""
+
+    name = "held_0"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def execute(self, requests: list[InferenceRequest]) -> Execution:
+        started = time.monotonic_ns()
+        self.gate.wait(5)
+        return Execution.timed([InternalError("not run")] * len(requests), started)
+
+
+def rows(count: int) -> list[InferenceRequest]:
+    batch = []
+    for _ in range(count):
+        request = InferenceRequest("m", "", [])
+        request.batch_size = 1
+        batch.append(request)
+    return batch
+
+
+def test_the_pool_tells_which_execution_frees_an_instance_first() -> None:
+    """While a batch runs, the pool reports when it started and its rows; once it is done (or an instance is free),
+    nothing."""
+    instance = HeldInstance()
+
+    async def main() -> None:
+        pool = InstancePool("m", [instance], ModelStatistics())
+        assert pool.soonest_running() == (0, 0)
+        worker = await pool.acquire()
+        before = time.monotonic_ns()
+        running = asyncio.ensure_future(pool.run(worker, rows(8), [before] * 8))
+        await asyncio.sleep(0.01)
+        started, count = pool.soonest_running()
+        assert before <= started <= time.monotonic_ns() and count == 8
+        instance.gate.set()
+        await running
+        assert pool.soonest_running() == (0, 0)
+        assert [count for count, _ in pool.recent_runs] == [8]
+        pool.close()
+
+    asyncio.run(main())
+
+
+def pooled(ran_ms_ago: float, running_rows: int = BATCH) -> Admission:
+    """An admission that sees its model's one instance running a batch of `running_rows` since `ran_ms_ago`."""
+    settings = AdmissionSettings(min_limit=1_000, priority_levels=0, default_level=0, queue_budget_ns=0,
+                                 parallelism=1, batch=BATCH)
+    pool = InstancePool("m", [HeldInstance()], ModelStatistics())
+    worker = pool.take_free()
+    worker.running = (time.monotonic_ns() - int(ran_ms_ago * 1e6), running_rows)
+    gate = Admission("m", settings, ModelStatistics(), pool)
+    gate.service_ns = gate.full_service_ns = PER_ROW_MS * 1e6
+    return gate
+
+
+def test_a_request_arriving_as_a_round_starts_waits_for_all_of_it() -> None:
+    """A full batch started 1 ms ago has 15 ms left of its 16, then the request's own batch: 31 ms. Charged at half
+    (24 ms), it was admitted with a deadline it then missed."""
+    assert not admitted(pooled(ran_ms_ago=1), 12, deadline_ms=29)
+    assert admitted(pooled(ran_ms_ago=1), 12, deadline_ms=33)
+
+
+def test_a_request_arriving_as_a_round_ends_waits_for_little_of_it() -> None:
+    """A full batch started 14 ms ago has 2 ms left: the request's own batch ends in 18 ms."""
+    assert not admitted(pooled(ran_ms_ago=14), 12, deadline_ms=16)
+    assert admitted(pooled(ran_ms_ago=14), 12, deadline_ms=20)
+
+
+def test_a_batch_that_overran_its_time_is_charged_its_expected_rest() -> None:
+    """A batch running for 40 ms, more than a round's 16: how much longer is not known, half a round is charged."""
+    assert not admitted(pooled(ran_ms_ago=40), 12, deadline_ms=23)
+    assert admitted(pooled(ran_ms_ago=40), 12, deadline_ms=25)
+
+
+def test_a_small_batch_running_is_charged_its_rows() -> None:
+    """A batch of 2 rows started 1 ms ago takes 4 ms at 2 ms a row: 3 ms left, then a batch of the 3 requests held
+    with it, 6 ms."""
+    assert not admitted(pooled(ran_ms_ago=1, running_rows=2), 2, deadline_ms=8)
+    assert admitted(pooled(ran_ms_ago=1, running_rows=2), 2, deadline_ms=10)
+
+
+def test_a_round_is_charged_at_the_slow_tail_of_the_latest_executions() -> None:
+    """Of the latest executions at least half full (scaled to a full batch), the 95th percentile is a round's time:
+    batches that took 16 ms and now and then 24 make a round 24 ms; a batch of 2 rows is left out."""
+    gate = pooled(ran_ms_ago=1)
+    pool = gate._pool
+    assert pool is not None
+    pool.recent_runs.extend([(BATCH, 16_000_000)] * 18 + [(4, 12_000_000)] * 2 + [(2, 1_000_000)] * 5)
+    gate._measure_rounds(pool)
+    assert gate.round_ns == pytest.approx(24e6)

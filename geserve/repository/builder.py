@@ -134,6 +134,7 @@ class ModelBuilder:
         labels = await asyncio.to_thread(_read_labels, config, prepared.model_dir)
         statistics = self._options.new_statistics()
         readiness = None
+        pool: InstancePool | None = None
         if is_ensemble(config):  # no instances: the steps run on their own models
             setup = EnsembleSetup(EnsemblePlan.build(config, dict(steps)), self._registry.host, statistics)
             scheduler = create_scheduler(config, None, setup)
@@ -155,7 +156,7 @@ class ModelBuilder:
             readiness=readiness,
             model_dir=prepared.model_dir,
             response_cache=_response_cache_generation(config, self._options.response_cache),
-            admission=(Admission(config.name, AdmissionSettings.from_config(config), statistics)
+            admission=(Admission(config.name, AdmissionSettings.from_config(config), statistics, pool)
                        if admission.wanted(config, self._options.overload_control) else None),
         )
 

@@ -40,6 +40,7 @@ _SAMPLE_INLINE_EVERY = 8
 # every client waits on it. Measured with issue 15's MLP at c=16, 2 workers, 2000 µs delay: ~8% more throughput and
 # ~15 µs less CPU per inference than the thread hand-off (GIL hand-off, futex and loop wake-ups) for batches of 8.
 _CLOSED_INLINE_NS = 2_000_000
+_RECENT_RUNS = 64  # executions kept in `recent_runs`
 # A batch handed to a worker thread: its requests, the future its outcome goes to, and that future's loop.
 _Job = tuple[list[InferenceRequest], asyncio.Future[Execution], asyncio.AbstractEventLoop]
 
@@ -52,6 +53,8 @@ class Worker:
         self.inline_allowed = instance.inline_allowed
         self._pool = pool
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # The execution running (monotonic ns when it started, its rows); (0, 0) while the instance is free.
+        self.running: tuple[int, int] = (0, 0)
         self.thread = threading.Thread(target=self._serve, name=f"ge-{instance.name}", daemon=True)
         self.thread.start()
 
@@ -107,11 +110,20 @@ class InstancePool:
         self._sample_next = False
         # Batches still running whose caller was cancelled: how each is counted once it finishes (`_finish`).
         self._orphans: dict[asyncio.Future[Execution], Callable[[Execution], Results]] = {}
+        # The latest executions' rows and wall time from start to result, on the loop's clock (admission.py).
+        self.recent_runs: collections.deque[tuple[int, int]] = collections.deque(maxlen=_RECENT_RUNS)
         self.inline_below_ns = inline_below_us * 1000
 
     @property
     def size(self) -> int:
         return len(self._workers)
+
+    def soonest_running(self) -> tuple[int, int]:
+        """Of the executions running, the one that started first (when, in monotonic ns, and its rows): the first
+        instance expected to be free. (0, 0) when an instance is free now."""
+        if len(self._free) > self._woken:
+            return 0, 0
+        return min(worker.running for worker in self._workers)
 
     @property
     def has_free(self) -> bool:
@@ -150,6 +162,7 @@ class InstancePool:
         of them (one row each) fill a sequence batcher's empty slots: they count in the batch's size, as in Triton,
         but are no inferences of their own. The requests have started: their queue timeouts no longer hold."""
         started = time.monotonic_ns()
+        worker.running = (started, sum(r.batch_size for r in requests))
         for request in requests:
             request.queue_deadline = None
         # Inline: a short run, or one no request can arrive during (the loop has nothing to read meanwhile) that is
@@ -230,6 +243,7 @@ class InstancePool:
         """Record one finished execution in the statistics and the requests' compute times; its results."""
         compute = execution.compute
         rows = sum(r.batch_size for r in requests) - padding_rows
+        self.recent_runs.append((rows + padding_rows, time.monotonic_ns() - started))
         count = len(requests) - (1 if padding_rows else 0) - null_requests
         # A request's queue time counts its wait for its model's load on demand (`waited_ns`) too. Not strict: a
         # sequence batch's null requests were never queued.
@@ -289,6 +303,7 @@ class InstancePool:
         runs at once on the loop (`run_now`) may use it: it gives it back before the waiter runs. Handing it to the
         waiter directly instead left it busy until then, so under steady load every new request queued behind the
         last, and none ran at once again (measured: half the requests of perf_analyzer's c=16 queued)."""
+        worker.running = (0, 0)
         self._free.append(worker)
         self._wake_next()
 
