@@ -124,16 +124,16 @@ def pooled(ran_ms_ago: float, running_rows: int = BATCH) -> Admission:
 
 
 def test_a_request_arriving_as_a_round_starts_waits_for_all_of_it() -> None:
-    """A full batch started 1 ms ago has 15 ms left of its 16, then the request's own batch: 31 ms. Charged at half
-    (24 ms), it was admitted with a deadline it then missed."""
-    assert not admitted(pooled(ran_ms_ago=1), 12, deadline_ms=29)
-    assert admitted(pooled(ran_ms_ago=1), 12, deadline_ms=33)
+    """A full batch that just started has 16 ms left, then the request's own batch: 32 ms. Charged at half (24 ms),
+    it was admitted with a deadline it then missed."""
+    assert not admitted(pooled(ran_ms_ago=0), 12, deadline_ms=27)
+    assert admitted(pooled(ran_ms_ago=0), 12, deadline_ms=33)
 
 
 def test_a_request_arriving_as_a_round_ends_waits_for_little_of_it() -> None:
-    """A full batch started 14 ms ago has 2 ms left: the request's own batch ends in 18 ms."""
-    assert not admitted(pooled(ran_ms_ago=14), 12, deadline_ms=16)
-    assert admitted(pooled(ran_ms_ago=14), 12, deadline_ms=20)
+    """A full batch started 10 ms ago has 6 ms left: the request's own batch ends in 22 ms."""
+    assert not admitted(pooled(ran_ms_ago=10), 12, deadline_ms=19)
+    assert admitted(pooled(ran_ms_ago=10), 12, deadline_ms=23)
 
 
 def test_a_batch_that_overran_its_time_is_charged_its_expected_rest() -> None:
@@ -143,10 +143,10 @@ def test_a_batch_that_overran_its_time_is_charged_its_expected_rest() -> None:
 
 
 def test_a_small_batch_running_is_charged_its_rows() -> None:
-    """A batch of 2 rows started 1 ms ago takes 4 ms at 2 ms a row: 3 ms left, then a batch of the 3 requests held
-    with it, 6 ms."""
-    assert not admitted(pooled(ran_ms_ago=1, running_rows=2), 2, deadline_ms=8)
-    assert admitted(pooled(ran_ms_ago=1, running_rows=2), 2, deadline_ms=10)
+    """A batch of 3 rows that just started takes 6 ms at 2 ms a row, then a batch of the 4 requests held with it,
+    8 ms."""
+    assert not admitted(pooled(ran_ms_ago=0, running_rows=3), 3, deadline_ms=10)
+    assert admitted(pooled(ran_ms_ago=0, running_rows=3), 3, deadline_ms=15)
 
 
 def test_a_round_is_charged_at_the_slow_tail_of_the_latest_executions() -> None:

@@ -120,10 +120,11 @@ class InstancePool:
 
     def soonest_running(self) -> tuple[int, int]:
         """Of the executions running, the one that started first (when, in monotonic ns, and its rows): the first
-        instance expected to be free. (0, 0) when an instance is free now."""
+        instance expected to be free. (0, 0) when an instance is free now, or none runs (taken for a batch that is
+        still forming)."""
         if len(self._free) > self._woken:
             return 0, 0
-        return min(worker.running for worker in self._workers)
+        return min((worker.running for worker in self._workers if worker.running[0]), default=(0, 0))
 
     @property
     def has_free(self) -> bool:
