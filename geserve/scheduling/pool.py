@@ -69,6 +69,10 @@ class Worker:
             del job, requests, future, outcome
 
 
+def _rows(requests: list[InferenceRequest]) -> int:
+    return sum(r.batch_size for r in requests)
+
+
 def execution_failed(exc: Exception) -> GeserveError:
     """What the requests of a batch whose execution raised fail with: a bug's exception becomes UNAVAILABLE."""
     return exc if isinstance(exc, GeserveError) else UnavailableError(f"execution failed: {exc}")
@@ -163,7 +167,7 @@ class InstancePool:
         of them (one row each) fill a sequence batcher's empty slots: they count in the batch's size, as in Triton,
         but are no inferences of their own. The requests have started: their queue timeouts no longer hold."""
         started = time.monotonic_ns()
-        worker.running = (started, sum(r.batch_size for r in requests))
+        worker.running = (started, _rows(requests))
         for request in requests:
             request.queue_deadline = None
         # Inline: a short run, or one no request can arrive during (the loop has nothing to read meanwhile) that is
@@ -243,7 +247,7 @@ class InstancePool:
     ) -> Results:
         """Record one finished execution in the statistics and the requests' compute times; its results."""
         compute = execution.compute
-        rows = sum(r.batch_size for r in requests) - padding_rows
+        rows = _rows(requests) - padding_rows
         self.recent_runs.append((rows + padding_rows, time.monotonic_ns() - started))
         count = len(requests) - (1 if padding_rows else 0) - null_requests
         # A request's queue time counts its wait for its model's load on demand (`waited_ns`) too. Not strict: a
