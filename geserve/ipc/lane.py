@@ -20,6 +20,12 @@ from typing import Any
 from geserve.ipc.peer import Codec, PeerGone, error_state, rebuild_error
 
 _HEADER = struct.Struct("!I")
+
+
+class NotSent(PeerGone):
+    """The other process was gone before the call could be sent: it never saw the call."""
+
+
 _ANSWER, _FAILED = 0, 1
 
 
@@ -55,11 +61,15 @@ class Lane:
         self._lock = threading.Lock()
 
     def call(self, *message: Any) -> Any:
-        """Send `message`, wait for the answer; the serving side's error is raised, PeerGone if it is gone."""
+        """Send `message`, wait for the answer; the serving side's error is raised, PeerGone if it is gone (NotSent
+        if it was gone before `message` could be sent: it never saw it)."""
         frame = self._codec.dumps(message)
         with self._lock:
             try:
                 _send(self._sock, frame)
+            except OSError:
+                raise NotSent("the other process had exited before the call was sent") from None
+            try:
                 reply = _receive(self._sock)
             except OSError:
                 reply = None
@@ -71,9 +81,14 @@ class Lane:
         return value
 
     def close(self) -> None:
+        """End the lane, from any thread: a call under way is woken (PeerGone), and the descriptor is closed only once
+        it has left. Closed under a caller's feet, its number could be reused (by a client's connection) before the
+        caller's next send or receive, which would then go there: a gRPC client once read an execute call's bytes as
+        an HTTP/2 frame."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # a caller blocked in recv wakes up
-        self._sock.close()
+        with self._lock:
+            self._sock.close()
 
 
 def serve(sock: socket.socket, codec: Codec, handler: Callable[..., Any]) -> None:

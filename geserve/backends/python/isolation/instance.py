@@ -23,6 +23,7 @@ from geserve.backends.python.isolation.session import Session
 from geserve.backends.python.isolation.spares import Spares
 from geserve.backends.python.metrics import MetricStore
 from geserve.errors import GeserveError, InternalError, UnavailableError
+from geserve.ipc.lane import NotSent
 from geserve.ipc.peer import PeerGone
 from geserve.types import InferenceRequest, InferenceResponse
 
@@ -116,23 +117,33 @@ class IsolatedInstance(ModelInstance):
     def execute(self, requests: list[InferenceRequest]) -> Execution:
         started = time.monotonic_ns()
         try:
-            running = self._serving()
+            results = self._run(self._serving(), requests, again=True)
         except GeserveError as exc:
-            return Execution.timed(self._failed(requests, exc), started)
+            results = self._failed(requests, exc)
+        return Execution.timed(results, started)
+
+    def _run(self, running: _Running, requests: list[InferenceRequest], again: bool) -> Results:
+        """The batch's results from `running`'s process. A batch that process never saw (it had ended before the
+        batch could be sent) runs `again` on the process its restart brings, unless decoupled (its streams ended
+        with the process)."""
         session = running.session
         keys = [session.hold(request) for request in requests]
         try:
             batch = [request_fields(key, request) for key, request in zip(keys, requests, strict=True)]
-            results: Results = running.process.lane.call("execute", batch)
+            return running.process.lane.call("execute", batch)
+        except NotSent:
+            if not again or self._spec.decoupled:
+                return self._failed(requests, self._lost(running, running.process.poll(STOP_WAIT_S)))
+            successor = self._awaited(running.successor)
         except PeerGone:
-            results = self._failed(requests, self._lost(running, running.process.poll(STOP_WAIT_S)))
+            return self._failed(requests, self._lost(running, running.process.poll(STOP_WAIT_S)))
         except GeserveError as exc:
-            results = self._failed(requests, exc)
+            return self._failed(requests, exc)
         finally:
             if not self._spec.decoupled:  # a decoupled request is held until its final response
                 for key in keys:
                     session.let_go(key)
-        return Execution.timed(results, started)
+        return self._run(successor, requests, again=False)
 
     def _serving_now(self) -> _Running | None:
         current = self._current
@@ -143,14 +154,18 @@ class IsolatedInstance(ModelInstance):
 
     def _serving(self) -> _Running:
         """The process to run on, waiting for one that is starting; UnavailableError while restarts fail."""
+        running = self._awaited(self._current)
+        if running.process.ended.is_set():  # it just ended: the one its restart brings
+            running = self._awaited(running.successor)
+        return running
+
+    def _awaited(self, process: concurrent.futures.Future[_Running]) -> _Running:
+        """The process `process` brings once started; its error (UnavailableError) where restarts fail."""
         try:
-            running = self._current.result(START_TIMEOUT_S)
-            if running.process.ended.is_set():  # it just ended: the one its restart brings
-                running = running.successor.result(START_TIMEOUT_S)
+            return process.result(START_TIMEOUT_S)
         except TimeoutError:
             raise UnavailableError(f"Python model instance '{self.name}' has no process: its start is taking "
                                    f"more than {START_TIMEOUT_S:.0f} s") from None
-        return running
 
     def _failed(self, requests: list[InferenceRequest], error: GeserveError) -> Results:
         """Every request failed with `error`; a decoupled one on its stream, as the in-process instance does."""
