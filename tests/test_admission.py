@@ -149,12 +149,23 @@ def test_a_small_batch_running_is_charged_its_rows() -> None:
     assert admitted(pooled(ran_ms_ago=0, running_rows=3), 3, deadline_ms=15)
 
 
-def test_a_round_is_charged_at_the_slow_tail_of_the_latest_executions() -> None:
-    """Of the latest executions at least half full (scaled to a full batch), the 95th percentile is a round's time:
-    batches that took 16 ms and now and then 24 make a round 24 ms; a batch of 2 rows is left out."""
+def test_a_round_is_charged_at_the_slow_tail_of_the_latest_full_batches() -> None:
+    """Of the latest full batches, the 90th percentile is a round's time: batches that took 16 ms and now and then 24
+    make a round 24 ms; smaller batches are left out (their time per row is higher)."""
     gate = pooled(ran_ms_ago=1)
     pool = gate._pool
     assert pool is not None
-    pool.recent_runs.extend([(BATCH, 16_000_000)] * 18 + [(4, 12_000_000)] * 2 + [(2, 1_000_000)] * 5)
+    pool.recent_runs.extend([(BATCH, 16_000_000)] * 16 + [(BATCH, 24_000_000)] * 4 + [(4, 12_000_000)] * 20)
     gate._measure_rounds(pool)
     assert gate.round_ns == pytest.approx(24e6)
+
+
+def test_a_round_is_charged_its_service_time_while_few_full_batches_ran() -> None:
+    """At low load the batches are small: the round falls back to the measured service time (2 ms a row: 16 ms)."""
+    gate = pooled(ran_ms_ago=1)
+    pool = gate._pool
+    assert pool is not None
+    pool.recent_runs.extend([(BATCH, 30_000_000)] * 7 + [(2, 6_000_000)] * 40)
+    gate._measure_rounds(pool)
+    assert gate.round_ns == 0.0
+    assert admitted(gate, 12, deadline_ms=33)  # 15 ms left of the running batch and its own 16

@@ -44,7 +44,7 @@ _MIN_WINDOW_SAMPLES = 8
 _NOLOAD_WINDOWS = 100  # the uncontended latency is the least of this many windows' least (about 10 s under load)
 _TOLERANCE = 2.0  # latency up to this multiple of the uncontended one leaves the limit alone
 _SMOOTHING = 0.2
-_ROUND_PERCENTILE = 0.95  # of the latest executions' times, the one a request is admitted on
+_ROUND_PERCENTILE = 0.9  # of the latest full batches' times, the one a request is admitted on
 _MAX_LIMIT = 10_000.0
 PARAMETER = "overload_control"
 QUEUE_BUDGET_PARAMETER = "overload_queue_budget_ms"
@@ -247,11 +247,12 @@ class Admission:
             self._measure_rounds(self._pool)
 
     def _measure_rounds(self, pool: InstancePool) -> None:
-        """A full batch's wall time from start to result on one instance, as the slow tail of the latest executions
-        at least half full (scaled to a full batch) has it: on a shared or virtual machine the same batch takes up to
-        a third longer now and then (measured at four times the capacity: p50 16.8 ms, p90 19.7, p99 21.5), and a
-        request admitted on the average missed its deadline."""
+        """A full batch's wall time from start to result on one instance, as the slow tail of the latest full batches
+        has it (0, the service time's round, while fewer than a window's samples of them ran lately: at low load the
+        batches are small, and scaling their time up to a full batch overstated it and refused requests at half the
+        capacity). On a shared or virtual machine the same batch takes a fifth longer now and then (measured at four
+        times the capacity: p50 16.8 ms, p90 19.7, p99 21.5), and requests admitted on the average missed."""
         batch = self._settings.batch
-        runs = sorted(wall * batch / rows for rows, wall in pool.recent_runs if 2 * rows >= batch)
-        if len(runs) >= _MIN_WINDOW_SAMPLES:
-            self.round_ns = runs[int(_ROUND_PERCENTILE * (len(runs) - 1))]
+        runs = sorted(wall for rows, wall in pool.recent_runs if rows >= batch)
+        enough = len(runs) >= _MIN_WINDOW_SAMPLES
+        self.round_ns = runs[int(_ROUND_PERCENTILE * (len(runs) - 1))] if enough else 0.0
