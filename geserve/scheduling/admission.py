@@ -15,10 +15,10 @@ requests the service took for it and has not answered, `held`, whichever is more
   after holding a place in the queue. A batching model's service time per request depends on how full its batches
   are: a queue of a batch or more runs in full batches, so it is charged the time measured over batches at least
   half full (at low load the batches are small, and their time per request, up to the batch size times more,
-  refused bursts the model would have answered in time), and it waits for whole batches (the one running charged at
-  half, its expected rest), not for each request ahead of it (the requests queued in its batch run with it:
-  charging them one after the other kept the queue short of a second full batch, and the model ran half-full batches
-  under overload).
+  refused bursts the model would have answered in time), and it waits for whole batches, not for each request ahead
+  of it (the requests queued in its batch run with it: charging them one after the other kept the queue short of a
+  second full batch, and the model ran half-full batches under overload). The batch running is charged what remains
+  of it (the instance pool says when it started), and a full batch at the slow tail of the latest ones' wall time.
 
 Written here rather than taken from a library: no Python library does it for an asyncio server, and the whole
 check is a few comparisons per request.
