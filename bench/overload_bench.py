@@ -979,6 +979,13 @@ def targets(run: Run) -> list[str]:
     return lines
 
 
+def _capacity_note(run: Run, loads: list[float]) -> str:
+    beside = ", ".join(f"{load:g}x {run.capacity_at[load]:.0f}/s" for load in loads if load in run.capacity_at)
+    return ("The offered loads are multiples of that capacity; each load's ratios (÷ capacity) are to the capacity "
+            "measured again the same way before and after its cells (their mean), since this VM's speed drifts by "
+            f"more than a target's margin over a run: {beside}.")
+
+
 def report(run: Run, loads: list[float]) -> str:
     keys = sorted({key for _, key in run.cells}, key=list(SYSTEMS).index)
     lines = [
@@ -1019,10 +1026,7 @@ def report(run: Run, loads: list[float]) -> str:
         "queue timeout, honoured by both) and as the header "
         f"`{DEADLINE_HEADER}: {run.deadline_ms}` (a gateway's deadline for the answer: geserve's end-to-end "
         "deadline, which Triton does not read).", "",
-        "The offered loads are multiples of that capacity; each load's ratios (÷ capacity) are to the capacity "
-        "measured again the same way before and after its cells (their mean), since this VM's speed drifts by more "
-        "than a target's margin over a run: " + ", ".join(
-            f"{load:g}x {run.capacity_at[load]:.0f}/s" for load in loads if load in run.capacity_at) + ".", "",
+        _capacity_note(run, loads), "",
         "## Results", "",
         "goodput = successes within the deadline per second; p50/p99 are over the successes (within the deadline or "
         "not); late = successes after it; refused = 503 with Retry-After; missed = \"Request timeout expired\" (503) "
