@@ -821,10 +821,8 @@ def measure(generator: Generator, servers: dict[str, Server], run: Run, loads: l
     for key, server in servers.items():
         _quiet(run)
         run.unloaded[key] = generator.run(ClosedLoop("127.0.0.1", server.port, plain, 1, 0.5, run.mode.p50_s))
-        concurrency = ADMITTED_CONCURRENCY if key == "geserve_on" else CAPACITY_CONCURRENCY
-        run.closed[key] = generator.run(ClosedLoop("127.0.0.1", server.port, plain, concurrency,
-                                                   run.mode.capacity_s / 3, run.mode.capacity_s))
-        run.closed[key]["concurrency"] = concurrency
+        run.closed[key] = _closed_loop(generator, key, server, run, plain)
+        concurrency = run.closed[key]["concurrency"]
         print(f"{key}: unloaded p50 {run.unloaded[key]['p50_ms']:.2f} ms, closed-loop "
               f"{run.closed[key]['throughput']:.0f}/s at c={concurrency} "
               f"(p50 {run.closed[key]['p50_ms']:.1f} ms)", flush=True)
@@ -856,16 +854,23 @@ def _basis(servers: dict[str, Server]) -> str:
     return "geserve_off" if "geserve_off" in servers else next(iter(servers))
 
 
+def _closed_loop(generator: Generator, key: str, server: Server, run: Run, plain: tuple[bytes, ...]) -> dict[str, Any]:
+    """`server`'s closed-loop throughput run (geserve on at its concurrency limit's floor, the others at 32), with the
+    concurrency it ran at."""
+    concurrency = ADMITTED_CONCURRENCY if key == "geserve_on" else CAPACITY_CONCURRENCY
+    closed = generator.run(ClosedLoop("127.0.0.1", server.port, plain, concurrency, run.mode.capacity_s / 3,
+                                      run.mode.capacity_s))
+    closed["concurrency"] = concurrency
+    return closed
+
+
 def _capacity_now(generator: Generator, servers: dict[str, Server], run: Run, plain: tuple[bytes, ...]) -> float:
     """The capacity measured again, as at the start: the VM's speed drifts by more than a target's margin over a run
     (the same closed loop gave 378-490/s within 15 minutes), so each load's ratios are to the capacity measured
     before and after its cells."""
     basis = _basis(servers)
-    concurrency = ADMITTED_CONCURRENCY if basis == "geserve_on" else CAPACITY_CONCURRENCY
     _quiet(run)
-    closed = generator.run(ClosedLoop("127.0.0.1", servers[basis].port, plain, concurrency,
-                                      run.mode.capacity_s / 3, run.mode.capacity_s))
-    return float(closed["throughput"])
+    return float(_closed_loop(generator, basis, servers[basis], run, plain)["throughput"])
 
 
 def _open_loop_cell(generator: Generator, servers: dict[str, Server], key: str, run: Run, load: float,

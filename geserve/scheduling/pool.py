@@ -247,8 +247,9 @@ class InstancePool:
     ) -> Results:
         """Record one finished execution in the statistics and the requests' compute times; its results."""
         compute = execution.compute
-        rows = _rows(requests) - padding_rows
-        self.recent_runs.append((rows + padding_rows, time.monotonic_ns() - started))
+        batch_rows = _rows(requests)
+        self.recent_runs.append((batch_rows, time.monotonic_ns() - started))
+        rows = batch_rows - padding_rows
         count = len(requests) - (1 if padding_rows else 0) - null_requests
         # A request's queue time counts its wait for its model's load on demand (`waited_ns`) too. Not strict: a
         # sequence batch's null requests were never queued.
