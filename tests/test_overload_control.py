@@ -565,8 +565,9 @@ def test_nothing_is_refused_at_low_load(on_server: RunningServer) -> None:
 
 
 def test_a_request_that_cannot_make_its_deadline_is_refused_at_once(on_server: RunningServer, load: Load) -> None:
-    """Once the model's service time is measured (about 0.15 s per request), with 3 requests held (the expected rest
-    of the running one, half its time, and the 2 queued: 0.375 s of work ahead, 0.525 s to the end of a new one) a
+    """Once the model's service time is measured (about 0.15 s per request), with 3 requests held (the running one
+    past the time it should take, so charged half of it for its rest, and the 2 queued: 0.375 s of work ahead, 0.525 s
+    to the end of a new one) a
     request that cannot make it is refused at arrival, well before either passes: its queue timeout (`timeout`,
     0.3 s) passes before its turn (HTTP 503 with Retry-After), or the caller's deadline (gRPC's 0.3 s, and 0.5 s,
     after its turn but before its end; the HTTP gateway header's 300 ms) before its end (gRPC UNAVAILABLE, not
@@ -579,6 +580,7 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_at_once(on_server: R
     before = shed(on_server, model, "deadline")
     assert limit_of(on_server, model) > 3
     filled = fill(load, on_server, model, 3)
+    time.sleep(0.2)  # the one running (FIRST_S) is past the time it should take: its rest is not known
 
     short = http_call(on_server, model, 0.0, timeout_us=300_000)
     assert_refusal(short, model)
