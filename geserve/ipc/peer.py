@@ -207,6 +207,9 @@ class Peer:
             pass
         finally:
             self.closed.set()
+            # Closed now, not left to the collector: uvloop closes a collected transport's descriptor, then the
+            # socket object it was opened on closes the same number again, by then perhaps another connection's.
+            self._writer.close()
             for future in list(self._pending.values()):
                 if not future.done():
                     future.set_exception(PeerGone("the other process exited before answering"))

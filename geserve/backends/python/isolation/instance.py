@@ -221,6 +221,7 @@ class IsolatedInstance(ModelInstance):
         logger.error("the process of Python model instance '%s' (pid %d) %s after %.1f s: restarting it", self.name,
                      running.process.pid, how_it_ended(status), lived)
         running.session.end(self._lost(running, status))
+        await running.process.stop()  # its lane and channel released now, not whenever the collector gets to them
         self._dead = running
         if lived >= HEALTHY_AFTER_S:
             self._failed_restarts = 0
