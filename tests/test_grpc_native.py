@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import queue
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -26,6 +28,7 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from geserve.frontends.grpc.h2_connection import HeaderDecoder, grpc_message
+from geserve.frontends.grpc.h2_context import CallError, H2Call
 from geserve.frontends.grpc.h2_server import NativeGrpcServer
 from geserve.frontends.grpc.health import SERVING, HealthCheckRequest, HealthCheckResponse
 from geserve.frontends.grpc.server import GrpcOptions
@@ -400,6 +403,33 @@ def test_the_fast_header_decoder_decodes_as_hpack_does() -> None:
 def test_grpc_message_is_percent_encoded_as_the_spec_says() -> None:
     assert grpc_message("plain words") == b"plain words"
     assert grpc_message("100% \u00e9") == b"100%25 %C3%A9"
+
+
+def _call(max_receive: int) -> H2Call:
+    return H2Call(SimpleNamespace(max_receive=max_receive), 1, None, [], None, None)  # type: ignore[arg-type]
+
+
+def _framed(message: bytes) -> bytes:
+    return struct.pack("!BI", 0, len(message)) + message
+
+
+def test_messages_are_taken_whole_however_the_frames_cut_them() -> None:
+    """Messages cut inside their 5-byte prefix, spread over many frames, or two in one frame come out whole and in
+    order; nothing is left held after the last."""
+    big, small = bytes(range(256)) * 4096, b"tiny"  # 1 MiB and 4 bytes
+    stream = _framed(big) + _framed(small) + _framed(b"")
+    for cut in (3, 1000, 16384, len(stream)):
+        call, taken = _call(len(big)), []
+        for start in range(0, len(stream), cut):
+            taken += call.take_messages(stream[start:start + cut])
+        assert taken == [big, small, b""] and not call.buffer
+
+
+def test_a_message_over_the_limit_is_refused_as_soon_as_its_length_is_known() -> None:
+    call = _call(1024)
+    assert call.take_messages(_framed(b"x" * 2048)[:3]) == []
+    with pytest.raises(CallError, match=r"larger than max \(2048 vs. 1024\)"):
+        call.take_messages(b"\x08\x00x")  # the rest of its prefix: 2048 bytes
 
 
 class _ReadyService:

@@ -83,7 +83,7 @@ class H2Call:
         self.deadline = deadline
         self.encoding = encoding
         self.task: asyncio.Task[None] | None = None
-        self.buffer = b""  # bytes of a message not yet complete
+        self.buffer = bytearray()  # bytes of a message not yet complete
         # Streamed requests: complete messages not yet read (one `on_message` declined is kept parsed).
         self.inbox: collections.deque[bytes | _Parsed] | None = None
         self.inbox_waiter: asyncio.Future[None] | None = None
@@ -105,24 +105,42 @@ class H2Call:
     # ---- request messages ---------------------------------------------------------------------------
 
     def take_messages(self, data: bytes) -> list[bytes]:
-        """Appends received bytes; returns the complete messages they finish (decompressed). Raises CallError."""
-        buffer = self.buffer + data if self.buffer else data
+        """Appends received bytes; returns the complete messages they finish (decompressed). Raises CallError.
+
+        A message larger than a frame gathers in a bytearray, appended in place: joining each frame to the bytes held
+        copied them all again (quadratic: a 32 MiB request took 17 s)."""
+        if self.buffer:
+            self.buffer += data
+            if not self._holds_a_message():
+                return []
+            buffer: bytes | bytearray = self.buffer
+        else:
+            buffer = data
         messages: list[bytes] = []
         offset, size = 0, len(buffer)
         limit = self.connection.max_receive
-        while size - offset >= 5:
-            compressed, length = PREFIX.unpack_from(buffer, offset)
-            if length > limit:
-                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"Received message larger than max ({length} vs. {limit})")
-            end = offset + 5 + length
-            if end > size:
-                break
-            message = buffer[offset + 5:end]
-            messages.append(self._decompress(message, limit) if compressed else message)
-            offset = end
-        self.buffer = buffer[offset:] if offset < size else b""
+        with memoryview(buffer) as view:  # a message is copied out once
+            while size - offset >= 5:
+                compressed, length = PREFIX.unpack_from(buffer, offset)
+                if length > limit:
+                    raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"Received message larger than max ({length} vs. {limit})")
+                end = offset + 5 + length
+                if end > size:
+                    break
+                message = bytes(view[offset + 5:end])
+                messages.append(self._decompress(message, limit) if compressed else message)
+                offset = end
+        self.buffer = bytearray(buffer[offset:]) if offset < size else bytearray()
         return messages
+
+    def _holds_a_message(self) -> bool:
+        """Whether the bytes held complete the message they begin (or show its length is over the limit)."""
+        buffer = self.buffer
+        if len(buffer) < 5:
+            return False
+        length = PREFIX.unpack_from(buffer, 0)[1]
+        return len(buffer) >= 5 + length or length > self.connection.max_receive
 
     def _decompress(self, message: bytes, limit: int) -> bytes:
         wbits = _WBITS.get(self.encoding or b"")
