@@ -58,137 +58,137 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model-repository", "--model-store", dest="model_repositories", action="append", type=Path,
         help="path to a Triton model repository (repeatable; or GESERVE_MODEL_REPOSITORIES)")
-    add("--http-port", type=int, default=8000)
-    add("--http-address", default="0.0.0.0")
-    add("--allow-http", type=_bool, nargs="?", const=True, default=True)
-    add("--http-max-input-size", type=int, default=64 * 1024 * 1024,
-        help="largest accepted request body in bytes (default 64 MiB)")
-    add("--http-server", choices=["native", "uvicorn"], default="native",
+    add("--http-port", type=int)
+    add("--http-address")
+    add("--allow-http", type=_bool, nargs="?", const=True)
+    add("--http-max-input-size", type=int,
+        help="largest accepted request body in bytes")
+    add("--http-server", choices=["native", "uvicorn"],
         help="the HTTP server under the ASGI app (geserve's own lean one, or uvicorn)")
-    add("--inference-shortcuts", type=_bool, default=True, metavar="on|off",
+    add("--inference-shortcuts", type=_bool, metavar="on|off",
         help="the request path's shortcuts (answer on the loop, queue with a callback, remembered headers, replayed "
              "HTTP heads); off: every inference in a task, the same answers, slower (for comparison)")
-    add("--openai-api", type=_bool, default=True, metavar="on|off",
+    add("--openai-api", type=_bool, metavar="on|off",
         help="OpenAI's embeddings API on the HTTP port (/v1/models, /v1/embeddings) for the models whose config has "
              "the `openai.embeddings` parameter; off: those routes answer 404")
-    add("--overload-control", type=_bool, default=False, metavar="on|off",
+    add("--overload-control", type=_bool, metavar="on|off",
         help="admission control for every model (its `overload_control` parameter overrides): refuse at arrival, with "
              "503 + Retry-After / UNAVAILABLE, what cannot be answered before its deadline or exceeds the adaptive "
              "concurrency limit, lowest priority first")
-    add("--inline-execution-us", type=int, default=250,
+    add("--inline-execution-us", type=int,
         help="run executions typically taking less CPU time than this on the event loop (0: always on instance "
              "threads)")
-    add("--compute-nice", type=int, default=5,
+    add("--compute-nice", type=int,
         help="run the threads that execute models this many nice levels below the event loop (Linux; 0: the same), so "
              "that arrivals and answers do not wait behind a running execution on a shared core")
-    add("--loop-batching", type=_bool, default=True, metavar="on|off",
+    add("--loop-batching", type=_bool, metavar="on|off",
         help="while admission control refuses arrivals, batch-schedule the event loop (Linux SCHED_BATCH): arrivals "
              "wait for the scheduler's tick instead of each preempting a running execution; deadlines are kept that "
              "much earlier")
-    add("--http-thread-count", type=int, default=0, help="accepted for compatibility; HTTP runs on the event loop")
-    add("--http-header-timeout-secs", type=float, default=15.0,
+    add("--http-thread-count", type=int, help="accepted for compatibility; HTTP runs on the event loop")
+    add("--http-header-timeout-secs", type=float,
         help="close a connection that has not sent a request's headers within this many seconds (408)")
-    add("--http-idle-timeout-secs", type=float, default=60.0, help="close keep-alive connections idle this long")
-    add("--http-body-timeout-secs", type=float, default=30.0,
+    add("--http-idle-timeout-secs", type=float, help="close keep-alive connections idle this long")
+    add("--http-body-timeout-secs", type=float,
         help="abandon a request body that makes no progress for this many seconds (408)")
-    add("--http-max-header-size", type=int, default=64 * 1024, help="largest request line + headers (431 above)")
-    add("--http-max-header-count", type=int, default=100, help="most header fields per request (431 above)")
-    add("--http-max-connections", type=int, default=1024, help="most HTTP connections open at once")
-    add("--http-use-ssl", type=_bool, nargs="?", const=True, default=False,
+    add("--http-max-header-size", type=int, help="largest request line + headers (431 above)")
+    add("--http-max-header-count", type=int, help="most header fields per request (431 above)")
+    add("--http-max-connections", type=int, help="most HTTP connections open at once")
+    add("--http-use-ssl", type=_bool, nargs="?", const=True,
         help="HTTPS on the HTTP and metrics ports (needs --http-server-cert and --http-server-key)")
-    add("--http-use-ssl-mutual", type=_bool, nargs="?", const=True, default=False,
+    add("--http-use-ssl-mutual", type=_bool, nargs="?", const=True,
         help="HTTPS requiring client certificates signed by --http-root-cert")
-    add("--http-server-cert", default="", metavar="PEM", help="the HTTPS certificate (chain); re-read on SIGHUP")
-    add("--http-server-key", default="", metavar="PEM", help="the HTTPS private key; re-read on SIGHUP")
-    add("--http-root-cert", default="", metavar="PEM",
+    add("--http-server-cert", metavar="PEM", help="the HTTPS certificate (chain); re-read on SIGHUP")
+    add("--http-server-key", metavar="PEM", help="the HTTPS private key; re-read on SIGHUP")
+    add("--http-root-cert", metavar="PEM",
         help="CA certificates that client certificates must be signed by (mutual TLS); re-read on SIGHUP")
-    add("--grpc-port", type=int, default=8001)
-    add("--grpc-address", default="0.0.0.0")
-    add("--allow-grpc", type=_bool, nargs="?", const=True, default=True)
-    add("--grpc-infer-allocation-pool-size", type=int, default=8, help="accepted for tritonserver compatibility")
-    add("--grpc-keepalive-time", dest="grpc_keepalive_time_ms", type=int, default=7_200_000,
+    add("--grpc-port", type=int)
+    add("--grpc-address")
+    add("--allow-grpc", type=_bool, nargs="?", const=True)
+    add("--grpc-infer-allocation-pool-size", type=int, help="accepted for tritonserver compatibility")
+    add("--grpc-keepalive-time", dest="grpc_keepalive_time_ms", type=int,
         help="period of keepalive pings, ms (Triton's default)")
-    add("--grpc-keepalive-timeout", dest="grpc_keepalive_timeout_ms", type=int, default=20_000,
+    add("--grpc-keepalive-timeout", dest="grpc_keepalive_timeout_ms", type=int,
         help="how long a keepalive ping waits for its acknowledgement, ms")
-    add("--grpc-keepalive-permit-without-calls", type=_bool, nargs="?", const=True, default=False)
-    add("--grpc-http2-max-pings-without-data", type=int, default=2)
-    add("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300_000,
+    add("--grpc-keepalive-permit-without-calls", type=_bool, nargs="?", const=True)
+    add("--grpc-http2-max-pings-without-data", type=int)
+    add("--grpc-http2-min-recv-ping-interval-without-data", type=int,
         dest="grpc_http2_min_recv_ping_interval_without_data_ms", help="ms")
-    add("--grpc-http2-max-ping-strikes", type=int, default=2)
-    add("--grpc-max-concurrent-streams", type=int, default=1024, help="most concurrent calls per gRPC connection")
-    add("--grpc-server", choices=["native", "grpcio"], default="native",
+    add("--grpc-http2-max-ping-strikes", type=int)
+    add("--grpc-max-concurrent-streams", type=int, help="most concurrent calls per gRPC connection")
+    add("--grpc-server", choices=["native", "grpcio"],
         help="the gRPC server: geserve's own on HTTP/2 (cleartext and TLS), or grpc.aio")
-    add("--grpc-use-ssl", type=_bool, nargs="?", const=True, default=False,
+    add("--grpc-use-ssl", type=_bool, nargs="?", const=True,
         help="gRPC over TLS (needs --grpc-server-cert and --grpc-server-key)")
-    add("--grpc-use-ssl-mutual", type=_bool, nargs="?", const=True, default=False,
+    add("--grpc-use-ssl-mutual", type=_bool, nargs="?", const=True,
         help="gRPC over TLS requiring client certificates signed by --grpc-root-cert (overrides --grpc-use-ssl)")
-    add("--grpc-server-cert", default="", metavar="PEM", help="the gRPC server certificate (chain); re-read on SIGHUP")
-    add("--grpc-server-key", default="", metavar="PEM", help="the gRPC server private key; re-read on SIGHUP")
-    add("--grpc-root-cert", default="", metavar="PEM",
+    add("--grpc-server-cert", metavar="PEM", help="the gRPC server certificate (chain); re-read on SIGHUP")
+    add("--grpc-server-key", metavar="PEM", help="the gRPC server private key; re-read on SIGHUP")
+    add("--grpc-root-cert", metavar="PEM",
         help="CA certificates that client certificates must be signed by (mutual TLS); re-read on SIGHUP")
-    add("--allow-system-shared-memory", "--allow-client-shm", type=_bool, nargs="?", const=True, default=False,
+    add("--allow-system-shared-memory", "--allow-client-shm", type=_bool, nargs="?", const=True,
         help="let clients register system shared memory regions for inputs and outputs (off by default; "
              "--allow-client-shm is Triton's name)")
-    add("--metrics-port", type=int, default=8002, help="port of the Prometheus endpoint (GET /metrics)")
-    add("--metrics-address", default="",
+    add("--metrics-port", type=int, help="port of the Prometheus endpoint (GET /metrics)")
+    add("--metrics-address",
         help="address of the Prometheus endpoint (default: --http-address when HTTP is on, else 0.0.0.0)")
-    add("--allow-metrics", type=_bool, nargs="?", const=True, default=True)
-    add("--allow-cpu-metrics", type=_bool, nargs="?", const=True, default=True)
-    add("--allow-gpu-metrics", type=_bool, nargs="?", const=True, default=True,
+    add("--allow-metrics", type=_bool, nargs="?", const=True)
+    add("--allow-cpu-metrics", type=_bool, nargs="?", const=True)
+    add("--allow-gpu-metrics", type=_bool, nargs="?", const=True,
         help="accepted for compatibility; device metrics appear where the device reports them")
-    add("--metrics-interval-ms", type=float, default=2000.0, help="how often CPU metrics are sampled")
-    add("--metrics-config", action="append", type=_metrics_config, default=[],
+    add("--metrics-interval-ms", type=float, help="how often CPU metrics are sampled")
+    add("--metrics-config", action="append", type=_metrics_config,
         help="<setting>=<value> (repeatable): counter_latencies, summary_latencies, summary_quantiles, "
              "histogram_latencies")
-    add("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
-    add("--repository-poll-secs", type=float, default=15.0, help="poll mode: seconds between repository scans")
-    add("--load-on-demand", type=_bool, nargs="?", const=True, default=False,
+    add("--model-control-mode", choices=["none", "explicit", "poll"])
+    add("--repository-poll-secs", type=float, help="poll mode: seconds between repository scans")
+    add("--load-on-demand", type=_bool, nargs="?", const=True,
         help="explicit and poll modes: a request for a model in a repository that is not loaded loads it first")
-    add("--model-memory-budget", default="", metavar="SIZE",
+    add("--model-memory-budget", metavar="SIZE",
         help="explicit and poll modes: most memory the loaded models may cost together (800MiB, 4GiB; all workers "
              "together); the least recently used idle models are unloaded to make room")
-    add("--model-load-max-file-bytes", type=int, default=1 << 30,
-        help="most bytes the model files of one load request may hold together, decoded (default 1 GiB)")
-    add("--workers", type=int, default=0,
+    add("--model-load-max-file-bytes", type=int,
+        help="most bytes the model files of one load request may hold together, decoded")
+    add("--workers", type=int,
         help="processes serving the ports together as one server (0, the default: one per core, at most 8; "
              "1: a single process)")
-    add("--exit-timeout-secs", type=float, default=30.0,
+    add("--exit-timeout-secs", type=float,
         help="on SIGTERM, how long in-flight requests get to finish before the server exits")
-    add("--id", dest="server_id", default="geserve", help="the server's name in its metadata")
-    add("--load-model", dest="load_models", action="append", default=[],
+    add("--id", dest="server_id", help="the server's name in its metadata")
+    add("--load-model", dest="load_models", action="append",
         help="model to load at start in explicit mode (repeatable; '*' for all)")
-    add("--strict-readiness", type=_bool, nargs="?", const=True, default=True)
-    add("--exit-on-error", type=_bool, nargs="?", const=True, default=False)
+    add("--strict-readiness", type=_bool, nargs="?", const=True)
+    add("--exit-on-error", type=_bool, nargs="?", const=True)
     add("--disable-auto-complete-config", action="store_true")
-    add("--strict-model-config", type=_bool, nargs="?", const=True, default=None,
+    add("--strict-model-config", type=_bool, nargs="?", const=True,
         help="deprecated spelling: true disables auto-complete")
-    add("--backend-config", action="append", type=_backend_config, default=[],
+    add("--backend-config", action="append", type=_backend_config,
         help="<backend>,<key>=<value>, e.g. ge,execution_accelerators=cpu or ge,default-max-batch-size=8")
-    add("--cache-config", action="append", type=_cache_config, default=[], metavar="<cache>,<setting>=<value>",
+    add("--cache-config", action="append", type=_cache_config, metavar="<cache>,<setting>=<value>",
         help="the response cache, e.g. local,size=1048576 (bytes); models opt in with response_cache { enable: true }")
-    add("--log-verbose", type=int, nargs="?", const=1, default=0)
-    add("--trace-config", dest="trace_config", action="append", default=[], metavar="[<mode>,]<setting>=<value>",
+    add("--log-verbose", type=int, nargs="?", const=1)
+    add("--trace-config", dest="trace_config", action="append", metavar="[<mode>,]<setting>=<value>",
         help="Triton's tracing: rate=N, level=TIMESTAMPS|TENSORS, count=N, mode=triton|opentelemetry, "
              "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL (repeatable; see "
              "docs/guide/metrics-tracing.md)")
     # Security (docs/guide/security.md): Triton's restricted APIs, then geserve's own token auth and audit log.
-    add("--http-restricted-api", action="append", default=[], metavar="<groups>:<header>=<value>",
+    add("--http-restricted-api", action="append", metavar="<groups>:<header>=<value>",
         help="calls of these API groups (comma-separated: health, metadata, inference, shared-memory, model-config, "
              "model-repository, statistics, trace, logging) over HTTP need this header and value (repeatable)")
-    add("--grpc-restricted-protocol", action="append", default=[], metavar="<groups>:<key>=<value>",
+    add("--grpc-restricted-protocol", action="append", metavar="<groups>:<key>=<value>",
         help="calls of these API groups over gRPC need the metadata triton-grpc-protocol-<key> with this value "
              "(repeatable)")
-    add("--auth-jwt-public-key", default="", metavar="PEM",
+    add("--auth-jwt-public-key", metavar="PEM",
         help="verify 'authorization: Bearer' tokens (JWT, RS256/ES256) with this public key or certificate")
-    add("--auth-jwt-jwks", default="", metavar="FILE", help="verify tokens with this JWK set (keys by 'kid')")
-    add("--auth-jwt-audience", default="", help="the 'aud' tokens must carry")
-    add("--auth-jwt-issuer", default="", help="the 'iss' tokens must carry")
-    add("--auth-jwt-leeway-secs", type=float, default=30.0, help="clock skew allowed on exp / nbf / iat")
-    add("--auth-protect-health", type=_bool, nargs="?", const=True, default=False,
+    add("--auth-jwt-jwks", metavar="FILE", help="verify tokens with this JWK set (keys by 'kid')")
+    add("--auth-jwt-audience", help="the 'aud' tokens must carry")
+    add("--auth-jwt-issuer", help="the 'iss' tokens must carry")
+    add("--auth-jwt-leeway-secs", type=float, help="clock skew allowed on exp / nbf / iat")
+    add("--auth-protect-health", type=_bool, nargs="?", const=True,
         help="require a token (scope 'health') for liveness and readiness too (open by default, for probes)")
-    add("--audit-log", default="", metavar="PATH",
+    add("--audit-log", metavar="PATH",
         help="append a JSON line per repository, shared-memory, logging and trace call and per refused call")
-    add("--log-info", type=_bool, nargs="?", const=True, default=True)
+    add("--log-info", type=_bool, nargs="?", const=True)
 
 
 def _add_compile_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +242,22 @@ def _add_layer_arguments(parser: argparse.ArgumentParser) -> None:
              "that geserve compare reads")
 
 
+def _defaults_from_settings(parser: argparse.ArgumentParser) -> None:
+    """An option not given leaves its setting alone (its default, or a GESERVE_* variable): ServerSettings alone
+    holds the defaults, and the help shows them from there."""
+    defaults = ServerSettings()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        action.default = argparse.SUPPRESS
+        value = getattr(defaults, action.dest, None)
+        if value is None or value == "" or isinstance(value, list | dict) or action.nargs == 0:  # a flag, or none
+            continue
+        shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
+        note = f"default: {shown}".replace("%", "%%")
+        action.help = f"{action.help} ({note})" if action.help else note
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="geserve", description="Triton-compatible inference server", allow_abbrev=False
@@ -250,17 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve Triton model repositories", allow_abbrev=False)
     _add_serve_arguments(serve)
-    for action in serve._actions:  # an option not given must not hide a GESERVE_* variable
-        if action.dest != "help":
-            action.default = argparse.SUPPRESS
+    _defaults_from_settings(serve)
     ray_serve = commands.add_parser(
         "ray-serve", help="serve the repositories as a Ray Serve deployment (replicas across a Ray cluster)",
         allow_abbrev=False,
     )
     _add_serve_arguments(ray_serve)
-    for action in ray_serve._actions:  # as for serve: an option not given must not hide a GESERVE_* variable
-        if action.dest != "help":
-            action.default = argparse.SUPPRESS
+    _defaults_from_settings(ray_serve)
     from geserve.integrations.ray_options import add_arguments as add_ray_arguments
 
     add_ray_arguments(ray_serve)
