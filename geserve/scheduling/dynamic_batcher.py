@@ -26,7 +26,13 @@ import numpy as np
 
 from geserve.arrivals import ARRIVALS
 from geserve.config import ModelConfig
-from geserve.errors import CancelledError, InvalidArgumentError, QueueTimeoutError, UnavailableError
+from geserve.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    QueueTimeoutError,
+    UnavailableError,
+)
 from geserve.scheduling.adaptive import AdaptiveController
 from geserve.scheduling.pool import InstancePool, Worker, execution_failed
 from geserve.scheduling.queue import Callback, Outcome, Pending, PriorityQueue, QueuePolicy, ShapeKey
@@ -349,6 +355,8 @@ class DynamicBatcher(AnswersLater):
                 return []
             limit, delay_ns = self._limits()
             batch, rows = self._candidate(limit)
+            if rows == limit and self._drop_doomed(batch, rows, now):
+                continue
             preferred = self._preferred_prefix(batch)
             due_at = (self._queue.oldest_enqueued_ns() or now) + delay_ns
             if rows < limit:
@@ -359,6 +367,22 @@ class DynamicBatcher(AnswersLater):
                     continue
             self._queue.remove(batch)
             return batch
+
+    def _drop_doomed(self, batch: list[Pending], rows: int, now: int) -> bool:
+        """Answer now (DEADLINE_EXCEEDED) the requests of a full batch that could not end by their caller's deadline
+        even were it as fast as the fastest of the latest batches its size: run, they would only be answered that
+        later, in the place of requests that can still be served in time. Whether any was."""
+        fastest_ns = self._pool.fastest_run(rows)
+        if not fastest_ns:
+            return False
+        ends = (now + fastest_ns) / 1e9
+        doomed = [p for p in batch if p.request.deadline is not None and p.request.deadline < ends]
+        if not doomed:
+            return False
+        self._queue.remove(doomed)
+        for pending in doomed:
+            self._complete(pending, DeadlineExceededError())
+        return True
 
     def _may_grow(self, now: int, due_at: int, delay_ns: int) -> bool:
         """Whether a batch short of its limit waits for more requests: before its delay, unless no request can come

@@ -122,6 +122,10 @@ class InstancePool:
     def size(self) -> int:
         return len(self._workers)
 
+    def fastest_run(self, rows: int) -> int:
+        """The shortest wall time, start to result, of the latest executions of `rows` rows (0: none of them)."""
+        return min((wall for ran, wall in self.recent_runs if ran == rows), default=0)
+
     def soonest_running(self) -> tuple[int, int]:
         """Of the executions running, the one that started first (when, in monotonic ns, and its rows): the first
         instance expected to be free. (0, 0) when an instance is free now, or none runs (taken for a batch that is

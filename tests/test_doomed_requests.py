@@ -1,0 +1,127 @@
+"""A full batch never carries a request that cannot end by its caller's deadline (DynamicBatcher._drop_doomed): such a
+request, were the batch as fast as the fastest of the latest batches its size, is answered DEADLINE_EXCEEDED when the
+batch forms (before its deadline passes) and never runs, over gRPC (`grpc-timeout`) and HTTP
+(`x-envoy-expected-rq-timeout-ms`); one with the time to be served runs as before. A real server process and a Python
+model that sleeps as long as its input says (a batch of two takes `ROUND_S`)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.support import models
+from tests.support.server import RunningServer, start_geserve, stop_geserve
+
+MODEL = "slow_pairs"
+CONFIG = ('backend: "python"\nmax_batch_size: 2\n'
+          'input [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]\n'
+          'output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]\n'
+          'instance_group [{ kind: KIND_CPU, count: 1 }]\n'
+          'dynamic_batching { max_queue_delay_microseconds: 200000 }\n')  # a pair sent together batches
+ROUND_S = 0.4
+Infer = Callable[[float | None], object]  # one request of ROUND_S with that deadline (s); raises its error
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    root = tmp_path_factory.mktemp("doomed") / "models"
+    models.slow_python(root, MODEL, CONFIG)
+    running = start_geserve([root], tmp_path_factory.mktemp("log") / "geserve.log", [])
+    try:
+        yield running
+    finally:
+        stop_geserve(running)
+
+
+def grpc_infer(server: RunningServer) -> Infer:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def infer(deadline_s: float | None) -> object:
+        tensor = grpcclient.InferInput("IN", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 1), ROUND_S, np.float32))
+        return client.infer(MODEL, [tensor], client_timeout=deadline_s)
+
+    return infer
+
+
+def http_infer(server: RunningServer) -> Infer:
+    def infer(deadline_s: float | None) -> object:
+        client = httpclient.InferenceServerClient(server.base.removeprefix("http://"), network_timeout=10)
+        tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 1), ROUND_S, np.float32))
+        headers = {} if deadline_s is None else {"x-envoy-expected-rq-timeout-ms": str(int(deadline_s * 1000))}
+        try:
+            return client.infer(MODEL, [tensor], headers=headers)
+        finally:
+            client.close()
+
+    return infer
+
+
+def executions(server: RunningServer) -> int:
+    with urllib.request.urlopen(f"{server.base}/v2/models/{MODEL}/stats", timeout=10) as response:
+        return json.loads(response.read())["model_stats"][0]["execution_count"]
+
+
+def pair(pool: ThreadPoolExecutor, infer: Infer, deadline_s: float | None) -> list[Future[object]]:
+    return [pool.submit(infer, deadline_s) for _ in range(2)]
+
+
+def timed(future: Future[object], sent: float) -> tuple[object, float]:
+    """The request's result (or the error it raised) and when it was answered, `sent` taken as 0."""
+    try:
+        outcome = future.result(timeout=10)
+    except InferenceServerException as error:
+        outcome = error
+    return outcome, time.monotonic() - sent
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_request_that_cannot_end_by_its_deadline_is_answered_when_its_batch_forms_and_never_runs(
+    server: RunningServer, protocol: str
+) -> None:
+    infer = (grpc_infer if protocol == "grpc" else http_infer)(server)
+    with ThreadPoolExecutor(4) as pool:
+        for future in pair(pool, infer, None):  # a full batch's time, for the batcher to know
+            future.result(timeout=10)
+        before = executions(server)
+        running = pair(pool, infer, None)  # holds the one instance for ROUND_S
+        time.sleep(0.1)
+        sent = time.monotonic()
+        # Their batch could start after the running one, 0.3 s from now, and end 0.4 s later: past 0.5 s.
+        doomed = [timed(future, sent) for future in pair(pool, infer, 0.5)]
+        for future in running:
+            future.result(timeout=10)
+    for outcome, answered in doomed:
+        assert isinstance(outcome, InferenceServerException), outcome
+        if protocol == "grpc":
+            assert outcome.status() == "StatusCode.DEADLINE_EXCEEDED", outcome
+        else:
+            assert outcome.status() == "504" and "Deadline Exceeded" in outcome.message(), outcome
+        assert answered < 0.45, f"answered after {answered:.3f} s: not when the batch formed, 0.3 s in"
+    time.sleep(0.1)
+    assert executions(server) - before == 1  # the running batch alone: the doomed pair never ran
+
+
+def test_a_request_with_the_time_to_be_served_still_runs(server: RunningServer) -> None:
+    infer = grpc_infer(server)
+    with ThreadPoolExecutor(4) as pool:
+        for future in pair(pool, infer, None):
+            future.result(timeout=10)
+        before = executions(server)
+        running = pair(pool, infer, None)
+        time.sleep(0.1)
+        served = pair(pool, infer, 1.5)  # ends about 0.7 s from now
+        for future in running + served:
+            result = future.result(timeout=10)
+            np.testing.assert_allclose(result.as_numpy("OUT"), [[2 * ROUND_S]])  # type: ignore[attr-defined]
+    assert executions(server) - before == 2
