@@ -89,10 +89,12 @@ class QueueTimeoutError(UnavailableError):
 
 class OverloadedError(UnavailableError):
     """Refused by admission control (scheduling/admission.py) before it queued: the model cannot answer it in time.
-    HTTP 503 with `Retry-After`, gRPC UNAVAILABLE (the code gRPC clients retry with backoff), counted REJECTED."""
+    HTTP 503 with `Retry-After` (whole seconds, at least 1), gRPC UNAVAILABLE (the code gRPC clients retry with
+    backoff) with the trailer `grpc-retry-pushback-ms`; counted REJECTED. `retry_after_ms`: the expected wait."""
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message, "REJECTED", headers=(("Retry-After", str(retry_after_s)),))
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message, "REJECTED", headers=(("Retry-After", str(max(1, -(-retry_after_ms // 1000)))),))
+        self.retry_after_ms = retry_after_ms
 
 
 class UnauthenticatedError(GeserveError):

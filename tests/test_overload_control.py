@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.support import models
@@ -204,6 +206,24 @@ def grpc_call(client: grpcclient.InferenceServerClient, model: str, seconds: flo
     except InferenceServerException as exc:
         return Outcome(status=str(exc.status()), message=exc.message(), seconds=time.monotonic() - started)
     return Outcome(value=float(result.as_numpy("OUT").ravel()[0]), seconds=time.monotonic() - started)
+
+
+def raw_grpc_call(server: RunningServer, model: str, seconds: float) -> Outcome:
+    """One inference over gRPC with the protocol's own stub, so that the status's trailers can be read: a refusal's
+    `grpc-retry-pushback-ms` (gRPC's Retry-After, in ms) becomes `retry_after`."""
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name="IN", datatype="FP32", shape=shape(model))
+    request.raw_input_contents.append(np.full(shape(model), seconds, np.float32).tobytes())
+    started = time.monotonic()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        try:
+            response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+        except grpc.RpcError as error:
+            trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+            return Outcome(status=str(error.code()), message=error.details(),  # type: ignore[attr-defined]
+                           retry_after=trailers.get("grpc-retry-pushback-ms"), seconds=time.monotonic() - started)
+    value = float(np.frombuffer(response.raw_output_contents[0], np.float32)[0])
+    return Outcome(value=value, seconds=time.monotonic() - started)
 
 
 def assert_refusal(outcome: Outcome, model: str) -> None:
@@ -406,10 +426,10 @@ def test_off_by_default_nothing_is_refused(off_server: RunningServer) -> None:
 
 def test_a_burst_past_the_limit_is_refused_and_counted(on_server: RunningServer, load: Load) -> None:
     """With --overload-control on, a one-instance unbatched model starts at a limit of 4 held requests. Filled to
-    it, the next request is refused at once over both protocols (HTTP 503 + Retry-After, gRPC UNAVAILABLE, the model
-    named). Then a burst of 16 concurrent requests (8 HTTP, 8 gRPC): each is answered correctly or refused, none lost
-    or left waiting, some refused; every refusal is counted REJECTED and as shed for `concurrency`, and the limit
-    gauge is there."""
+    it, the next request is refused at once over both protocols (HTTP 503 + Retry-After, gRPC UNAVAILABLE with
+    `grpc-retry-pushback-ms`, the model named). Then a burst of 16 concurrent requests (8 HTTP, 8 gRPC): each is
+    answered correctly or refused, none lost or left waiting, some refused; every refusal is counted REJECTED and as
+    shed for `concurrency`, and the limit gauge is there."""
     model = "burst"
     limit = limit_of(on_server, model)
     assert limit == 4  # 2 x the floor, 2 x (1 instance x 1 row)
@@ -417,11 +437,14 @@ def test_a_burst_past_the_limit_is_refused_and_counted(on_server: RunningServer,
 
     filled = fill(load, on_server, model, limit)
     over_http = http_call(on_server, model, 0.0)
-    over_grpc = grpc_call(load.client, model, 0.0)
+    over_grpc = raw_grpc_call(on_server, model, 0.0)
     assert_refusal(over_http, model)
     assert over_http.status == "503"
     assert_refusal(over_grpc, model)
     assert over_grpc.status == "StatusCode.UNAVAILABLE"
+    # gRPC's Retry-After: the expected wait in ms, a whole number, at least 1
+    assert over_grpc.retry_after is not None and over_grpc.retry_after.isdigit(), over_grpc
+    assert int(over_grpc.retry_after) >= 1
     # tritonclient's HTTP client sees the same refusal
     client = httpclient.InferenceServerClient(on_server.url)
     tensor = httpclient.InferInput("IN", [1], "FP32")
@@ -465,6 +488,24 @@ def test_a_burst_past_the_limit_is_refused_and_counted(on_server: RunningServer,
     assert value(families, "ge_overload_shed_total", model=model, reason="concurrency") - before_shed \
         == total_refused
     assert value(families, "ge_overload_concurrency_limit", model=model) >= 2  # never under its floor
+
+
+def test_grpcio_refusals_carry_the_retry_pushback_too(tmp_path: Path) -> None:
+    """The grpc.aio transport (`--grpc-server grpcio`) ends a refusal as the native one does: UNAVAILABLE with
+    `grpc-retry-pushback-ms`."""
+    model = "opted_in"
+    root = _write(tmp_path / "models", {model: OFF_MODELS[model]})
+    server = start_geserve([root], tmp_path / "geserve.log", ["--grpc-server", "grpcio"])
+    load = Load(server)
+    try:
+        filled = fill(load, server, model, limit_of(server, model))
+        refused = raw_grpc_call(server, model, 0.0)
+        assert_answered(filled)
+    finally:
+        load.close()
+        stop_geserve(server)
+    assert_refusal(refused, model)
+    assert refused.retry_after is not None and int(refused.retry_after) >= 1, refused
 
 
 def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(

@@ -200,10 +200,9 @@ class Admission:
     def _refuse(self, reason: str, inflight: int, why: str) -> None:
         self.shed[reason] += 1
         LOOP_BATCHING.refused(time.monotonic())
-        wait_s = inflight * self.service_ns / 1e9
         raise OverloadedError(
             f"model '{self._name}' is overloaded: {why} ({inflight} requests held, limit {int(self.limit)})",
-            max(1, math.ceil(wait_s)),
+            max(1, math.ceil(inflight * self.service_ns / 1e6)),
         )
 
     def observe(self, latency_ns: int, inflight: int) -> None:

@@ -71,8 +71,7 @@ class H2Call:
 
     __slots__ = ("_metadata", "buffer", "code", "connection", "deadline", "details", "done", "encoding", "headers",
                  "headers_sent", "inbox", "inbox_waiter", "method", "now", "on_message", "request", "request_ended",
-                 "reset", "stream_id",
-                 "task", "unacked", "window_waiter", "withdraw")
+                 "reset", "stream_id", "task", "trailers", "unacked", "window_waiter", "withdraw")
 
     def __init__(self, connection: Connection, stream_id: int, method: grpc.RpcMethodHandler[Any, Any],
                  headers: list[tuple[bytes, bytes]], deadline: float | None, encoding: bytes | None) -> None:
@@ -99,6 +98,7 @@ class H2Call:
         self.reset = False  # the client reset the stream or the connection went away
         self.code = grpc.StatusCode.OK
         self.details = ""
+        self.trailers: tuple[tuple[str, str], ...] = ()  # metadata sent with the status (grpc.aio's abort takes it)
         self.window_waiter: asyncio.Future[None] | None = None
         self._metadata: tuple[tuple[str, str | bytes], ...] | None = None
 
@@ -257,7 +257,7 @@ class H2Call:
         self.details = details
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        self.code, self.details = code, details
+        self.code, self.details, self.trailers = code, details, tuple(trailing_metadata)
         raise grpc.aio.AbortError()
 
     async def write(self, message: Any) -> None:

@@ -55,10 +55,11 @@ def grpc_message(details: str) -> bytes:
     return b"".join(bytes((byte,)) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte for byte in raw)
 
 
-def status_headers(code: grpc.StatusCode, details: str) -> list[Header]:
+def status_headers(code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str], ...] = ()) -> list[Header]:
     headers = [(b"grpc-status", str(code.value[0]).encode())]
     if details:
         headers.append((b"grpc-message", grpc_message(details)))
+    headers.extend((key.encode(), value.encode()) for key, value in trailers)
     return headers
 
 
@@ -103,7 +104,7 @@ class Responder:
         return True
 
     def answered(self, call: H2Call, answer: Any) -> None:
-        """A unary call's response message, or its status (code, details), sent now."""
+        """A unary call's response message, or its status (a GrpcStatus or a (code, details) pair), sent now."""
         if call.done:  # reset by the client, or the server stopped it
             return
         call.withdraw = None
@@ -146,7 +147,7 @@ class Responder:
                 self.finish(call, *STATUS_SERVER_STOPPING)
             raise
         except grpc.aio.AbortError:
-            self.finish(call, call.code, call.details)
+            self.finish(call, call.code, call.details, call.trailers)
         except Exception as exc:
             logger.exception("grpc: unhandled error serving %s", getattr(method, "path", "a call"))
             self.finish(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
@@ -160,7 +161,7 @@ class Responder:
                 await call.write(message)
         else:
             await result
-        self.finish(call, call.code, call.details)
+        self.finish(call, call.code, call.details, call.trailers)
 
     # ---- writing ------------------------------------------------------------------------------------
 
@@ -246,13 +247,16 @@ class Responder:
         finally:
             call.window_waiter = None
 
-    def finish(self, call: H2Call, code: grpc.StatusCode, details: str) -> None:
-        """Ends the call with its status: trailers, or a trailers-only response when nothing was sent yet."""
+    def finish(
+        self, call: H2Call, code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """Ends the call with its status (and `trailers`, metadata sent with it): trailers, or a trailers-only
+        response when nothing was sent yet."""
         if call.done:
             return
         call.done = True
         conn, sid = self._h2, call.stream_id
-        status = status_headers(code, details)
+        status = status_headers(code, details, trailers)
         try:
             conn.send_headers(sid, status if call.headers_sent else RESPONSE_HEADERS + status, end_stream=True)
             if not call.request_ended:  # the client is still sending: tell it to stop (RFC 9113 8.1)

@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2_grpc
 from geserve.errors import GeserveError, InternalError, UnsupportedError
 from geserve.frontends.grpc import converters as convert
 from geserve.frontends.grpc.health import HealthService
-from geserve.frontends.grpc.status import GRPC_STATUS, grpc_status
+from geserve.frontends.grpc.status import GRPC_STATUS, GrpcStatus, grpc_status
 from geserve.frontends.grpc.stream_order import InOrder, Outstanding
 from geserve.frontends.tls import GrpcTls, TlsEndpoint, TlsFiles, grpc_peer_subject
 from geserve.service.context import ApiGroup, CallContext, Transport
@@ -189,7 +189,7 @@ class GrpcInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def begin(
         self, message: pb.ModelInferRequest, context: Any, deliver: Callable[[Any], None]
-    ) -> pb.ModelInferResponse | tuple[grpc.StatusCode, str] | Callable[[], None]:
+    ) -> pb.ModelInferResponse | GrpcStatus | Callable[[], None]:
         """ModelInfer without a task (h2_connection's Begin): the response, or the status of its refusal, when the
         service answered at once; else the call that withdraws it, `deliver` getting its response or status later."""
         call = call_context(context)
