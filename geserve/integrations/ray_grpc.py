@@ -53,9 +53,11 @@ class RayGrpcContext:
     def auth_context(self) -> dict[str, Any]:
         return dict(self._ray.auth_context() or {})
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Sequence[Any] = ()) -> None:
         self._ray.set_code(code)
         self._ray.set_details(details)
+        if trailing_metadata:
+            self._ray.set_trailing_metadata(list(trailing_metadata))
         raise grpc.aio.AbortError(details)
 
 
