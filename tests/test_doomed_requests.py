@@ -67,9 +67,19 @@ def http_infer(server: RunningServer) -> Infer:
     return infer
 
 
-def executions(server: RunningServer) -> int:
+def counts(server: RunningServer) -> tuple[int, int, int]:
+    """The model's executions, its failed requests, and those failed DEADLINE_EXCEEDED (Prometheus)."""
     with urllib.request.urlopen(f"{server.base}/v2/models/{MODEL}/stats", timeout=10) as response:
-        return json.loads(response.read())["model_stats"][0]["execution_count"]
+        stats = json.loads(response.read())["model_stats"][0]
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        metrics = response.read().decode()
+    marker = f'nv_inference_request_failure{{model="{MODEL}",reason="DEADLINE_EXCEEDED",version="1"}} '
+    deadline = sum(int(float(line.split()[-1])) for line in metrics.splitlines() if line.startswith(marker))
+    return stats["execution_count"], stats["inference_stats"]["fail"]["count"], deadline
+
+
+def executions(server: RunningServer) -> int:
+    return counts(server)[0]
 
 
 def pair(pool: ThreadPoolExecutor, infer: Infer, deadline_s: float | None) -> list[Future[object]]:
@@ -93,7 +103,7 @@ def test_a_request_that_cannot_end_by_its_deadline_is_answered_when_its_batch_fo
     with ThreadPoolExecutor(4) as pool:
         for future in pair(pool, infer, None):  # a full batch's time, for the batcher to know
             future.result(timeout=10)
-        before = executions(server)
+        before = counts(server)
         running = pair(pool, infer, None)  # holds the one instance for ROUND_S
         time.sleep(0.1)
         sent = time.monotonic()
@@ -109,7 +119,9 @@ def test_a_request_that_cannot_end_by_its_deadline_is_answered_when_its_batch_fo
             assert outcome.status() == "504" and "Deadline Exceeded" in outcome.message(), outcome
         assert answered < 0.45, f"answered after {answered:.3f} s: not when the batch formed, 0.3 s in"
     time.sleep(0.1)
-    assert executions(server) - before == 1  # the running batch alone: the doomed pair never ran
+    ran, failed, past_deadline = (now - then for now, then in zip(counts(server), before, strict=True))
+    assert ran == 1  # the running batch alone: the doomed pair never ran
+    assert failed == 2 and past_deadline == 2  # each counted once, under its own reason
 
 
 def test_a_request_with_the_time_to_be_served_still_runs(server: RunningServer) -> None:
