@@ -5,7 +5,9 @@ the first one's, up to the row limit. It goes at once when it reaches a preferre
 it waits until the oldest request has waited `max_queue_delay`, or until no request can come to join it
 (`early_dispatch`, geserve/arrivals.py: every client connection waits on an answer and nothing executes, so waiting
 longer only adds latency; the model parameter `early_batch_dispatch: "false"` turns it off). With batch gears, a
-batch is cut to a gear or padded up to the next one, and the padding is sliced off the outputs.
+batch is cut to a gear or padded up to the next one, and the padding is sliced off the outputs. A full batch takes
+no request that could not end by its caller's deadline (`_drop_doomed`): that one is answered then, and the next
+request takes its place.
 
 A caller that is cancelled while its request waits (the client went away) takes the request out of the queue: it
 never runs. One already in a batch runs to the end with the others, and its result is dropped. A request that is

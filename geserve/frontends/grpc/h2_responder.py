@@ -59,7 +59,8 @@ def status_headers(code: grpc.StatusCode, details: str, trailers: tuple[tuple[st
     headers = [(b"grpc-status", str(code.value[0]).encode())]
     if details:
         headers.append((b"grpc-message", grpc_message(details)))
-    headers.extend((key.encode(), value.encode()) for key, value in trailers)
+    if trailers:
+        headers.extend((key.encode(), value.encode()) for key, value in trailers)
     return headers
 
 
