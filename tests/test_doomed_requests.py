@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from tests.support import models
@@ -72,9 +73,12 @@ def counts(server: RunningServer) -> tuple[int, int, int]:
     with urllib.request.urlopen(f"{server.base}/v2/models/{MODEL}/stats", timeout=10) as response:
         stats = json.loads(response.read())["model_stats"][0]
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        metrics = response.read().decode()
-    marker = f'nv_inference_request_failure{{model="{MODEL}",reason="DEADLINE_EXCEEDED",version="1"}} '
-    deadline = sum(int(float(line.split()[-1])) for line in metrics.splitlines() if line.startswith(marker))
+        families = text_string_to_metric_families(response.read().decode())
+    deadline = sum(
+        int(sample.value) for family in families for sample in family.samples
+        if sample.name == "nv_inference_request_failure_total"
+        and sample.labels.get("model") == MODEL and sample.labels.get("reason") == "DEADLINE_EXCEEDED"
+    )
     return stats["execution_count"], stats["inference_stats"]["fail"]["count"], deadline
 
 
