@@ -47,7 +47,7 @@ bench/results/overload.*.log, git-ignored) and prints PASS/FAIL lines for the ta
 goodput >= 90% of capacity and >= 3x Triton's; no late success from geserve; nothing refused at 0.5x.
 
 Usage: .venv/bin/python bench/overload_bench.py [--quick] [--duration S] [--loads 0.5,1,2,4]
-       [--systems geserve_on,geserve_off,triton,triton_nopolicy] [--no-pin] [--output PATH]
+       [--systems geserve_on,geserve_off,triton,triton_nopolicy] [--no-pin] [--output PATH] [--deadline-ms MS]
 (a full run, 15 s cells: about 7 minutes on the 2-vCPU machine; --quick, 6 s cells: about 4)
 """
 
@@ -779,6 +779,9 @@ class Run:
     capacity: float = 0.0  # at the start: the offered loads are multiples of it
     capacity_at: dict[float, float] = field(default_factory=dict)  # measured beside each load's cells: its ratios
     deadline_ms: int = 0
+    # --deadline-ms (0: 10x the unloaded p50, the issue's): for A/B runs, as that p50 varies by a tenth from run to
+    # run and the deadline's length changes what admission can take
+    deadline_given: int = 0
     cells: dict[tuple[float, str], dict[str, Any]] = field(default_factory=dict)
     quiet_left_s: float = QUIET_BUDGET_S
     crashes: list[str] = field(default_factory=list)  # servers found exited (and started again)
@@ -799,6 +802,7 @@ def _cell(generator: Generator, server: Server, job: OpenLoop) -> dict[str, Any]
     executions = counted.pop("executions", 0.0)
     inferences = counted.pop("inferences", 0.0)
     cell["batch_avg"] = inferences / executions if executions else math.nan
+    cell["executed_rate"] = inferences / wall
     # Triton counts a batch's compute time once for each request in it: per execution, it is that over the batch.
     cell["instance_busy"] = counted.pop("infer_us", math.nan) / cell["batch_avg"] / 1e6 / wall
     cell["admission"] = counted
@@ -828,8 +832,8 @@ def measure(generator: Generator, servers: dict[str, Server], run: Run, loads: l
               f"(p50 {run.closed[key]['p50_ms']:.1f} ms)", flush=True)
     basis = _basis(servers)
     run.capacity = run.closed[basis]["throughput"]
-    run.deadline_ms = round(DEADLINE_FACTOR * run.unloaded[basis]["p50_ms"])
-    print(f"capacity {run.capacity:.0f}/s and deadline {run.deadline_ms} ms (10x unloaded p50), both from {basis}",
+    run.deadline_ms = run.deadline_given or round(DEADLINE_FACTOR * run.unloaded[basis]["p50_ms"])
+    print(f"capacity {run.capacity:.0f}/s and deadline {run.deadline_ms} ms ({_deadline_basis(run)}), from {basis}",
           flush=True)
     timed = request_bodies(run.deadline_ms)
     keys = list(servers)
@@ -847,6 +851,10 @@ def measure(generator: Generator, servers: dict[str, Server], run: Run, loads: l
         for key in order:
             if (load, key) in run.cells:
                 print(row(run, load, key), flush=True)
+
+
+def _deadline_basis(run: Run) -> str:
+    return "given: --deadline-ms" if run.deadline_given else f"{DEADLINE_FACTOR}x geserve's unloaded p50, in whole ms"
 
 
 def _basis(servers: dict[str, Server]) -> str:
@@ -915,7 +923,7 @@ HEADER = ("| load | server | offered/s | goodput/s | ÷ capacity | p50 ms | p99 
           "| other errors | unanswered |")
 DIAGNOSTICS_HEADER = ("| load | server | generator CPU | send lag p99 / max ms | connections | client backlog max "
                       "| server CPU | others' CPU | health probe p99 / max ms | refusal p50 ms | most late by ms "
-                      "| batch avg | instance busy | admission (shed by reason, limit at the end) |")
+                      "| executed/s | batch avg | instance busy | admission (shed by reason, limit at the end) |")
 
 
 def row(run: Run, load: float, key: str) -> str:
@@ -942,7 +950,8 @@ def diagnostics_row(load: float, key: str, cell: dict[str, Any]) -> str:
             f"{_ms(cell['lag_max_ms'])} | {cell['connections']} | {cell['max_backlog']} | "
             f"{cell['server_cpu']:.0%}{loop} | {cell['others']:.0%} | {_ms(cell['probe_p99_ms'])} / "
             f"{_ms(cell['probe_max_ms'])} | {_ms(cell['refusal_p50_ms'])} | "
-            f"{cell['late_max_ms']:.1f} | {cell['batch_avg']:.1f} | {cell['instance_busy']:.0%} | {note} |")
+            f"{cell['late_max_ms']:.1f} | {cell['executed_rate']:.0f} | {cell['batch_avg']:.1f} | "
+            f"{cell['instance_busy']:.0%} | {note} |")
 
 
 def _times(ratio: float) -> str:
@@ -1026,7 +1035,7 @@ def report(run: Run, loads: list[float]) -> str:
         f"Capacity = geserve's (off) closed-loop throughput, **{run.capacity:.0f}/s**; every server gets the same "
         f"offered loads (geserve on is driven closed-loop at c={ADMITTED_CONCURRENCY}, its concurrency limit's floor: "
         "more clients than its limit are refused and retry at once). "
-        f"Deadline = {DEADLINE_FACTOR}x geserve's unloaded p50, in whole ms = **{run.deadline_ms} ms**, sent with "
+        f"Deadline = {_deadline_basis(run)} = **{run.deadline_ms} ms**, sent with "
         f"every request to every server as `\"parameters\": {{\"timeout\": {run.deadline_ms * 1000}}}` (µs: Triton's "
         "queue timeout, honoured by both) and as the header "
         f"`{DEADLINE_HEADER}: {run.deadline_ms}` (a gateway's deadline for the answer: geserve's end-to-end "
@@ -1051,11 +1060,13 @@ def report(run: Run, loads: list[float]) -> str:
               f"run (a cell waits for it to fall below {BUSY_LIMIT:.0%} and is measured again once above it); health "
               f"probe = `GET /v2/health/live` every {PROBE_PERIOD_S * 1000:.0f} ms on a connection of its own during "
               "the counted seconds, answered without the model: how long the server's front door stalls; most late "
-              "by = the latest success's lateness (scheduled arrival + deadline to answer); batch avg = the model's "
+              "by = the latest success's lateness (scheduled arrival + deadline to answer); executed = the requests "
+              "the model ran per second of the cell (warm-up and drain included: more than the goodput where it ran "
+              "requests answered late or not at all); batch avg = the model's "
               "inferences per execution over the cell, instance busy = its compute time per execution "
               "(nv_inference_compute_infer_duration_us over batch avg) over the cell's wall time (both from each "
               "server's Triton metrics).", "",
-              DIAGNOSTICS_HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              DIAGNOSTICS_HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     lines += [diagnostics_row(load, key, run.cells[(load, key)]) for load in loads for key in keys
               if (load, key) in run.cells]
     errors: dict[str, int] = {}
@@ -1076,6 +1087,8 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
     parser.add_argument("--no-pin", action="store_true", help="leave CPU placement to the kernel")
     parser.add_argument("--output", type=Path, default=RESULTS / "overload.md")
+    parser.add_argument("--deadline-ms", type=int, default=0,
+                        help="every request's deadline (default: 10x geserve's unloaded p50, the issue's)")
     args = parser.parse_args()
     mode = QUICK if args.quick else FULL
     if args.duration:
@@ -1099,7 +1112,7 @@ def main() -> None:
         else:
             cores = "not pinned (--no-pin): servers and generator share the machine's cores."
         print(cores, flush=True)
-        run = Run(mode, cores)
+        run = Run(mode, cores, deadline_given=args.deadline_ms)
         measure(generator, servers, run, loads)
         text = report(run, loads)
     print()
