@@ -11,6 +11,7 @@ import pytest
 
 from geserve.backends.base import Execution, ModelInstance
 from geserve.errors import InternalError, OverloadedError
+from geserve.scheduling import admission as admission_module
 from geserve.scheduling.admission import Admission, AdmissionSettings
 from geserve.scheduling.pool import InstancePool
 from geserve.statistics import ModelStatistics
@@ -169,3 +170,64 @@ def test_a_round_is_charged_its_service_time_while_few_full_batches_ran() -> Non
     gate._measure_rounds(pool)
     assert gate.round_ns == 0.0
     assert admitted(gate, 12, deadline_ms=33)  # 15 ms left of the running batch and its own 16
+
+
+def limited(priority_levels: int = 0) -> Admission:
+    """A gate whose concurrency limit is 8 (twice its floor of 4), service time unmeasured: the limit alone decides."""
+    settings = AdmissionSettings(min_limit=4, priority_levels=priority_levels, default_level=priority_levels,
+                                 queue_budget_ns=0, parallelism=1, batch=2)
+    return Admission("m", settings, ModelStatistics())
+
+
+def refusal(gate: Admission, held: int, deadline_s: float | None = None, priority: int = 0) -> str | None:
+    """Why `gate` refuses a request arriving with `held` requests held (None: admitted)."""
+    request = InferenceRequest("m", "", [], priority=priority)
+    if deadline_s is not None:
+        request.deadline = time.monotonic() + deadline_s
+    try:
+        gate.admit(request, held)
+    except OverloadedError as exc:
+        return "priority" if "priority" in str(exc) else "concurrency" if "concurrency" in str(exc) else "deadline"
+    return None
+
+
+def test_a_calm_model_lets_a_request_with_a_deadline_queue_to_twice_its_limit() -> None:
+    """Calm (nothing refused at the limit), a request with a deadline is admitted past the limit of 8, up to 16; one
+    without a deadline is held to 8, and once it was refused there the limit holds for all."""
+    gate = limited()
+    assert gate.limit == 8
+    assert refusal(gate, 12, deadline_s=10) is None
+    assert refusal(gate, 16, deadline_s=10) == "concurrency"
+    calm = limited()
+    assert refusal(calm, 8) == "concurrency"
+    assert refusal(calm, 8, deadline_s=10) == "concurrency"
+    assert refusal(calm, 7, deadline_s=10) is None
+
+
+def test_the_model_is_calm_again_a_while_after_its_last_refusal_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission_module, "_CALM_S", 0.05)
+    gate = limited()
+    assert refusal(gate, 8) == "concurrency"
+    assert refusal(gate, 12, deadline_s=10) == "concurrency"
+    time.sleep(0.06)
+    assert refusal(gate, 12, deadline_s=10) is None
+
+
+def test_a_refusal_by_the_budget_with_the_limit_reached_ends_the_calm_too() -> None:
+    """A short deadline keeps the queue short of twice the limit: the budget refuses first. A refusal with the limit
+    held (whatever the rule) shows a standing queue; one below it does not."""
+    gate = limited()
+    gate.service_ns = 2e6  # 2 ms a row, a batch of 2 in 4 ms
+    assert refusal(gate, 6, deadline_s=0.001) == "deadline"
+    assert refusal(gate, 10, deadline_s=10) is None
+    assert refusal(gate, 10, deadline_s=0.001) == "deadline"
+    assert refusal(gate, 10, deadline_s=10) == "concurrency"
+
+
+def test_lower_priorities_keep_their_share_of_the_limit_itself_while_calm() -> None:
+    """With two levels the lower one is shed from half the limit (4 held), calm or not; the highest gets the burst's
+    allowance."""
+    gate = limited(priority_levels=2)
+    assert refusal(gate, 4, deadline_s=10, priority=2) == "priority"
+    assert refusal(gate, 3, deadline_s=10, priority=2) is None
+    assert refusal(gate, 12, deadline_s=10, priority=1) is None

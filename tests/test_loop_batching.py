@@ -1,6 +1,6 @@
 """The event loop batch-scheduled while admission control refuses (devices/loop_batching.py): the thread's real
-scheduling policy as the kernel reports it, switched on a refusal and back after a refusal-free window, and the
-deadline a caller's timeout gives kept the read delay earlier meanwhile. On a real asyncio loop; Linux only."""
+scheduling policy as the kernel reports it, switched once refusals come fast and back after a refusal-free window,
+and the deadline a caller's timeout gives kept the read delay earlier meanwhile. On a real asyncio loop; Linux only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from geserve.devices.loop_batching import LOOP_BATCHING, LoopBatching, kernel_tick_s
+from geserve.devices.loop_batching import ENGAGE_REFUSALS, LOOP_BATCHING, LoopBatching, kernel_tick_s
 from geserve.service.deadlines import DELIVERY_ALLOWANCE_S, caller_deadline
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
@@ -34,7 +34,7 @@ def test_the_tick_is_the_kernels() -> None:
 
 
 def test_a_refusal_batch_schedules_the_loop_until_a_quiet_window_passes() -> None:
-    switch = LoopBatching(idle_window_s=0.1)
+    switch = LoopBatching(idle_window_s=0.1, engage_after=1)
     seen: dict[str, object] = {}
 
     async def run() -> None:
@@ -59,8 +59,30 @@ def test_a_refusal_batch_schedules_the_loop_until_a_quiet_window_passes() -> Non
     assert switch.bound_s > kernel_tick_s()
 
 
-def test_switched_off_or_off_any_loop_nothing_changes() -> None:
+def test_only_refusals_that_come_fast_batch_schedule_the_loop() -> None:
+    """Refusals now and then (19 spread over a second, each run of them short of 20 within 100 ms) leave the loop
+    alone; 20 within 100 ms switch it."""
     switch = LoopBatching(idle_window_s=0.05)
+    seen: list[bool] = []
+
+    async def run() -> None:
+        start = time.monotonic()
+        for index in range(19):
+            switch.refused(start + index * 0.06)
+        seen.append(switch.batched)
+        burst = start + 2.0
+        for index in range(ENGAGE_REFUSALS):
+            switch.refused(burst + index * 0.004)
+        seen.append(switch.batched)
+        await asyncio.sleep(0.1)
+
+    asyncio.run(run())
+    assert seen == [False, True]
+    assert ENGAGE_REFUSALS == 20
+
+
+def test_switched_off_or_off_any_loop_nothing_changes() -> None:
+    switch = LoopBatching(idle_window_s=0.05, engage_after=1)
     switch.refused(time.monotonic())  # no running loop: nothing could switch it back
     assert policy() == os.SCHED_OTHER and not switch.batched
     switch.configure(False)
@@ -74,6 +96,7 @@ def test_switched_off_or_off_any_loop_nothing_changes() -> None:
 
 def test_a_callers_deadline_is_kept_the_read_delay_earlier_while_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LOOP_BATCHING, "_idle_window_s", 0.05)
+    monkeypatch.setattr(LOOP_BATCHING, "_engage_after", 1)
     monkeypatch.setattr(LOOP_BATCHING, "_settled_at", 0.0)  # restored after: later tests see no read delay
     deadlines: list[float] = []
 

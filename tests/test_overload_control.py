@@ -58,6 +58,7 @@ def parameter(key: str, value: str) -> str:
 # The server started with --overload-control on.
 ON_MODELS = {
     "burst": DIRECT,
+    "calm": DIRECT,
     "ranked": RANKED,
     "exempt": DIRECT + parameter("overload_control", "off"),
     "steady": DIRECT,
@@ -490,6 +491,40 @@ def test_a_burst_past_the_limit_is_refused_and_counted(on_server: RunningServer,
     assert value(families, "ge_overload_concurrency_limit", model=model) >= 2  # never under its floor
 
 
+def test_a_calm_model_lets_requests_with_a_deadline_queue_past_its_limit(on_server: RunningServer, load: Load) -> None:
+    """A burst is not a standing overload: a model that refused no one at its limit (4 here) for a second admits a
+    request with a deadline past it, up to twice the limit, the queue-time budget judging it. With 4 held (gRPC, each
+    with tritonclient's 60 s deadline) a fifth with a 30 s `timeout` is admitted and answered, one without a deadline
+    is refused at the limit, and from then on the limit holds for all: the same patient request is refused. A second
+    later, calm again, patient requests fill the queue to 8; the ninth is refused. Each refusal is shed for
+    `concurrency`."""
+    model = "calm"
+    measure(on_server, model, 0.05)
+    assert limit_of(on_server, model) == 4
+    before = shed(on_server, model, "concurrency")
+    held = [load.grpc(model, 3.0, priority=1)]  # long enough for the whole test: the queue stays as filled
+    wait_pending(on_server, model, 1)
+    for count in range(2, 5):
+        held.append(load.grpc(model, 0.0, priority=1))
+        wait_pending(on_server, model, count)
+    patient = partial(http_call, on_server, model, 0.0, timeout_us=30_000_000)
+    held.append(load.send(patient))
+    wait_pending(on_server, model, 5)
+    assert_refusal(http_call(on_server, model, 0.0), model)
+    assert_refusal(patient(), model)
+    assert shed(on_server, model, "concurrency") == before + 2
+
+    time.sleep(1.1)
+    for count in range(6, 9):
+        held.append(load.send(patient))
+        wait_pending(on_server, model, count)
+    ninth = patient()
+    assert_refusal(ninth, model)
+    assert "concurrency limit" in ninth.message
+    assert [future.result(timeout=30).value for future in held] == [6.0] + [0.0] * 7
+    assert shed(on_server, model, "concurrency") == before + 3
+
+
 def test_grpcio_refusals_carry_the_retry_pushback_too(tmp_path: Path) -> None:
     """The grpc.aio transport (`--grpc-server grpcio`) ends a refusal as the native one does: UNAVAILABLE with
     `grpc-retry-pushback-ms`."""
@@ -499,6 +534,7 @@ def test_grpcio_refusals_carry_the_retry_pushback_too(tmp_path: Path) -> None:
     load = Load(server)
     try:
         filled = fill(load, server, model, limit_of(server, model))
+        assert_refusal(http_call(server, model, 0.0), model)  # no deadline: refused at the limit, which then holds
         refused = raw_grpc_call(server, model, 0.0)
         assert_answered(filled)
     finally:
@@ -511,8 +547,9 @@ def test_grpcio_refusals_carry_the_retry_pushback_too(tmp_path: Path) -> None:
 def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
     on_server: RunningServer, load: Load
 ) -> None:
-    """While admission control refuses, the server's event loop (its main thread) runs as SCHED_BATCH, as the kernel
-    reports it; a second or so after the last refusal it runs as SCHED_OTHER again (devices/loop_batching.py)."""
+    """While admission control refuses fast, the server's event loop (its main thread) runs as SCHED_BATCH, as the
+    kernel reports it: not after one refusal, but within a run of them on one keep-alive connection (20 within 100 ms
+    switch it); a second or so after the last refusal it runs as SCHED_OTHER again (devices/loop_batching.py)."""
     model = "scheduled"
     loop_thread = on_server.process.pid
     deadline = time.monotonic() + 10
@@ -521,6 +558,19 @@ def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
         time.sleep(0.1)
     filled = fill(load, on_server, model, limit_of(on_server, model))
     assert_refusal(http_call(on_server, model, 0.0), model)
+    assert os.sched_getscheduler(loop_thread) == os.SCHED_OTHER
+    body = json.dumps({"inputs": [{"name": "IN", "shape": [1], "datatype": "FP32", "data": [0.0]}]})
+    connection = http.client.HTTPConnection("127.0.0.1", on_server.http_port, timeout=60)
+    try:
+        for _ in range(200):
+            connection.request("POST", f"/v2/models/{model}/infer", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 503
+            if os.sched_getscheduler(loop_thread) == os.SCHED_BATCH:
+                break
+    finally:
+        connection.close()
     assert os.sched_getscheduler(loop_thread) == os.SCHED_BATCH
     assert_answered(filled)
     deadline = time.monotonic() + 10
