@@ -502,7 +502,7 @@ def test_a_calm_model_lets_requests_with_a_deadline_queue_past_its_limit(on_serv
     measure(on_server, model, 0.05)
     assert limit_of(on_server, model) == 4
     before = shed(on_server, model, "concurrency")
-    held = [load.grpc(model, 3.0, priority=1)]  # long enough for the whole test: the queue stays as filled
+    held = [load.grpc(model, 5.0, priority=1)]  # long enough for the whole test: the queue stays as filled
     wait_pending(on_server, model, 1)
     for count in range(2, 5):
         held.append(load.grpc(model, 0.0, priority=1))
@@ -521,7 +521,7 @@ def test_a_calm_model_lets_requests_with_a_deadline_queue_past_its_limit(on_serv
     ninth = patient()
     assert_refusal(ninth, model)
     assert "concurrency limit" in ninth.message
-    assert [future.result(timeout=30).value for future in held] == [6.0] + [0.0] * 7
+    assert [future.result(timeout=30).value for future in held] == [10.0] + [0.0] * 7
     assert shed(on_server, model, "concurrency") == before + 3
 
 
