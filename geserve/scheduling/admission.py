@@ -164,8 +164,8 @@ class Admission:
     def _bounded(self, request: InferenceRequest) -> bool:
         """Whether the queue-time budget can judge `request`: it has a deadline, a queue timeout or the model's
         budget."""
-        bound = request.deadline if request.deadline is not None else request.queue_deadline
-        return bound is not None or bool(self._settings.queue_budget_ns)
+        return (request.deadline is not None or request.queue_deadline is not None
+                or bool(self._settings.queue_budget_ns))
 
     def _check_budget(self, inflight: int, wait_ns: float, latest: float | None) -> None:
         """Refuse a request whose turn, `wait_ns` away behind the `inflight` requests ahead of it, comes after the
