@@ -374,12 +374,12 @@ class DynamicBatcher(AnswersLater):
         """Answer now (DEADLINE_EXCEEDED) the requests of a full batch that could not end by their caller's deadline
         even were it as fast as the fastest of the latest batches its size: run, they would only be answered that
         later, in the place of requests that can still be served in time. Whether any was."""
-        dated = [p for p in batch if p.request.deadline is not None]
+        dated = [(p, deadline) for p in batch if (deadline := p.request.deadline) is not None]
         fastest_ns = self._pool.fastest_run(rows) if dated else 0  # a batch without deadlines scans no runs
         if not fastest_ns:
             return False
         ends = (now + fastest_ns) / 1e9
-        doomed = [p for p in dated if p.request.deadline < ends]
+        doomed = [p for p, deadline in dated if deadline < ends]
         if not doomed:
             return False
         self._queue.remove(doomed)
