@@ -172,6 +172,40 @@ def test_a_round_is_charged_its_service_time_while_few_full_batches_ran() -> Non
     assert admitted(gate, 12, deadline_ms=33)  # 15 ms left of the running batch and its own 16
 
 
+def test_a_calm_model_charges_a_round_the_least_a_full_batch_took_lately() -> None:
+    """Full batches of 16 ms and now and then 24: a calm model's queue is a burst, charged 16 ms a round (15 ms left
+    of the batch running, then the request's own: 31 ms); once a request was refused with the limit reached, the
+    slow tail's 24 (23 + 24: 47 ms)."""
+    gate = pooled(ran_ms_ago=1)
+    pool = gate._pool
+    assert pool is not None
+    pool.recent_runs.extend([(BATCH, 16_000_000)] * 16 + [(BATCH, 24_000_000)] * 4)
+    gate._measure_rounds(pool)
+    assert gate.fast_round_ns == pytest.approx(16e6)
+    assert admitted(gate, 12, deadline_ms=33)
+    assert not admitted(gate, 12, deadline_ms=29)
+    assert not admitted(gate, int(2 * gate.limit), deadline_ms=10_000)  # refused past the limit: no longer calm
+    assert not admitted(gate, 12, deadline_ms=33)
+    assert admitted(gate, 12, deadline_ms=49)
+
+
+@pytest.mark.parametrize(
+    ("runs", "least_ms"),
+    [
+        ([(BATCH, 18), (BATCH, 16), (4, 9), (BATCH, 17)], 16),  # the fastest full batch
+        ([(2, 5), (6, 14), (6, 13), (3, 8)], 13),  # none full: the fastest of the largest, a full one is no faster
+        ([], 0),
+    ],
+)
+def test_the_least_a_full_batch_takes(runs: list[tuple[int, int]], least_ms: int) -> None:
+    gate = pooled(ran_ms_ago=1)
+    pool = gate._pool
+    assert pool is not None
+    pool.recent_runs.extend((rows, ms * 1_000_000) for rows, ms in runs)
+    gate._measure_rounds(pool)
+    assert gate.fast_round_ns == least_ms * 1e6
+
+
 def limited(priority_levels: int = 0) -> Admission:
     """A gate whose concurrency limit is 8 (twice its floor of 4), service time unmeasured: the limit alone decides."""
     settings = AdmissionSettings(min_limit=4, priority_levels=priority_levels, default_level=priority_levels,

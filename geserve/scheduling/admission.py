@@ -24,7 +24,10 @@ requests the service took for it and has not answered, `held`, whichever is more
   refused bursts the model would have answered in time), and it waits for whole batches, not for each request ahead
   of it (the requests queued in its batch run with it: charging them one after the other kept the queue short of a
   second full batch, and the model ran half-full batches under overload). The batch running is charged what remains
-  of it (the instance pool says when it started), and a full batch at the slow tail of the latest ones' wall time.
+  of it (the instance pool says when it started), and a full batch at the slow tail of the latest ones' wall time;
+  while the model is calm, its queue a burst, at the least a full batch took lately, so that only a request that
+  could not make it however fast the model ran is refused (at half the capacity the slow tail refused requests that
+  the model then answered in time, running without admission control).
 
 Written here rather than taken from a library: no Python library does it for an asyncio server, and the whole
 check is a few comparisons per request.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from geserve.config import ModelConfig
@@ -113,6 +117,7 @@ class Admission:
         self.service_ns = 0.0  # per request, the model's instances together; 0 until measured
         self.full_service_ns = 0.0  # the same over the last window of batches at least half full; 0 until one ran
         self.round_ns = 0.0  # a full batch's wall time on one instance, high percentile of the latest; 0 until seen
+        self.fast_round_ns = 0.0  # the least a full batch can take, as the latest batches show (see _measure_rounds)
         self._window_start = time.monotonic_ns()
         self._window_count = 0
         self._window_sum = 0
@@ -125,32 +130,34 @@ class Admission:
     def admit_ahead(self, deadline: float | None, inflight: int) -> None:
         """Before the request is decoded: refuse it (OverloadedError) by the rules its body cannot change, the limit
         and the caller's `deadline` (a request shed under overload costs no decoding); else nothing."""
+        now = time.monotonic()
+        calm = now - self._limit_refused_at >= _CALM_S
         # Taken as bounded: its body may bound it (Triton's `timeout`); `admit` holds one nothing bounds to the limit.
-        inflight = self._within_limit(inflight, self._limit_for(bounded=True))
+        inflight = self._within_limit(inflight, self._limit_for(bounded=True, calm=calm))
         if deadline is not None and self.service_ns:
-            wait_ns, own_ns = self._estimate(inflight)
-            self._check_budget(inflight, wait_ns, deadline - own_ns / 1e9)
+            wait_ns, own_ns = self._estimate(inflight, calm)
+            self._check_budget(inflight, now + wait_ns / 1e9, deadline - own_ns / 1e9)
 
     def admit(self, request: InferenceRequest, inflight: int) -> None:
         """Refuse `request` (OverloadedError) when the model cannot take it now, with `inflight` requests in its
         scheduler; else nothing."""
-        inflight = self._within_limit(inflight, self._limit_for(self._bounded(request)))
+        now = time.monotonic()
+        calm = now - self._limit_refused_at >= _CALM_S
+        inflight = self._within_limit(inflight, self._limit_for(self._bounded(request), calm))
         levels = self._settings.priority_levels
         if levels > 1:
             share = self._share(request.priority, levels)
             if share < 1.0 and inflight >= self.limit * share:  # a lower level's share of the limit itself
                 self._refuse("priority", inflight, f"priority {request.priority} is shed at this load")
         if self.service_ns:
-            wait_ns, own_ns = self._estimate(inflight)
-            self._check_budget(inflight, wait_ns, self._latest_start(request, own_ns))
+            wait_ns, own_ns = self._estimate(inflight, calm)
+            self._check_budget(inflight, now + wait_ns / 1e9, self._latest_start(request, own_ns, now))
 
-    def _limit_for(self, bounded: bool) -> float:
+    def _limit_for(self, bounded: bool, calm: bool) -> float:
         """The limit a request is held to: twice the concurrency limit for one the queue-time budget can judge
-        (`bounded`) while the model is calm (no refusal with the limit reached lately: a queue past it is a burst,
+        (`bounded`) while the model is `calm` (no refusal with the limit reached lately: a queue past it is a burst,
         not a standing overload), else the limit itself."""
-        if bounded and time.monotonic() - self._limit_refused_at >= _CALM_S:
-            return _BURST_FACTOR * self.limit
-        return self.limit
+        return _BURST_FACTOR * self.limit if bounded and calm else self.limit
 
     def _within_limit(self, inflight: int, limit: float) -> int:
         """The requests the model holds (its scheduler's `inflight` or the service's `held`, the more); refused when
@@ -167,20 +174,23 @@ class Admission:
         return (request.deadline is not None or request.queue_deadline is not None
                 or bool(self._settings.queue_budget_ns))
 
-    def _check_budget(self, inflight: int, wait_ns: float, latest: float | None) -> None:
-        """Refuse a request whose turn, `wait_ns` away behind the `inflight` requests ahead of it, comes after the
-        latest start it can have."""
-        if latest is not None and time.monotonic() + wait_ns / 1e9 > latest:
+    def _check_budget(self, inflight: int, turn: float, latest: float | None) -> None:
+        """Refuse a request whose `turn` (when it can start, behind the `inflight` requests ahead of it) comes after
+        the latest start it can have."""
+        if latest is not None and turn > latest:
             self._refuse("deadline", inflight, "it cannot be answered before its deadline")
 
-    def _estimate(self, inflight: int) -> tuple[float, float]:
+    def _estimate(self, inflight: int, calm: bool) -> tuple[float, float]:
         """How long a request arriving behind `inflight` waits for its turn, and how long its own execution then
         takes. A queue that fills batches runs in rounds (a full batch on every instance): the request waits for the
         rest of the round running and the full rounds queued ahead of it, then runs in its own; the requests queued in
         its round run with it, not before it. A shorter queue waits at most for the batch running and goes in the
-        next."""
+        next. A `calm` model's queue is a burst, and its rounds are charged the least they can take: refused are only
+        the requests that could not make their deadline however fast the model ran."""
         settings = self._settings
         round_ns = self.round_ns or (self.full_service_ns or self.service_ns) * settings.batch * settings.parallelism
+        if calm and self.fast_round_ns:
+            round_ns = min(round_ns, self.fast_round_ns)
         if inflight >= settings.batch:
             round_size = settings.batch * settings.parallelism
             rounds_queued = max(0, inflight - round_size) // round_size
@@ -203,17 +213,17 @@ class Admission:
         settings = self._settings
         if 2 * rows >= settings.batch:
             duration = round_ns * rows / settings.batch
-        else:
-            duration = rows * self.service_ns * settings.parallelism
+        else:  # at most a full round's, though small batches' time per row is higher
+            duration = min(rows * self.service_ns * settings.parallelism, round_ns)
         rest = started + duration - time.monotonic_ns()
         return rest if rest > 0 else expected_ns  # overran what it should take: how much longer is not known
 
-    def _latest_start(self, request: InferenceRequest, own_ns: float) -> float | None:
+    def _latest_start(self, request: InferenceRequest, own_ns: float, now: float) -> float | None:
         """When `request` must start at the latest: by its queue deadline (without one, within the model's queue
-        budget), and its own execution's time before its deadline; None when nothing bounds it."""
+        budget from `now`), and its own execution's time before its deadline; None when nothing bounds it."""
         queued = request.queue_deadline
         if queued is None and self._settings.queue_budget_ns:
-            queued = time.monotonic() + self._settings.queue_budget_ns / 1e9
+            queued = now + self._settings.queue_budget_ns / 1e9
         due = request.deadline
         if due is None:
             return queued
@@ -285,3 +295,16 @@ class Admission:
         runs = sorted(wall for rows, wall in pool.recent_runs if rows >= batch)
         enough = len(runs) >= _MIN_WINDOW_SAMPLES
         self.round_ns = runs[int(_ROUND_PERCENTILE * (len(runs) - 1))] if enough else 0.0
+        self.fast_round_ns = _least_full_batch(pool.recent_runs, batch)
+
+
+def _least_full_batch(runs: Iterable[tuple[int, int]], batch: int) -> float:
+    """The least wall time a full batch can take, as the latest `runs` (rows, ns) show: the fastest full one, or
+    without one the fastest of the largest (no faster than it: a batch's time does not fall with its rows); 0 when
+    none ran."""
+    largest, fastest = 0, 0
+    for rows, wall in runs:
+        rows = min(rows, batch)
+        if rows > largest or (rows == largest and wall < fastest):
+            largest, fastest = rows, wall
+    return float(fastest)
