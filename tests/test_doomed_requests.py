@@ -141,3 +141,26 @@ def test_a_request_with_the_time_to_be_served_still_runs(server: RunningServer) 
             result = future.result(timeout=10)
             np.testing.assert_allclose(result.as_numpy("OUT"), [[2 * ROUND_S]])  # type: ignore[attr-defined]
     assert executions(server) - before == 2
+
+
+def test_an_arrival_takes_a_doomed_requests_place_in_its_batch(server: RunningServer) -> None:
+    """A doomed request leaves its full batch short: the batch waits the queue delay (200 ms) for an arrival to take
+    its place, and runs full, instead of running a row short and the arrival alone after it."""
+    infer = grpc_infer(server)
+    with ThreadPoolExecutor(4) as pool:
+        for future in pair(pool, infer, None):
+            future.result(timeout=10)
+        before = executions(server)
+        started = time.monotonic()
+        running = pair(pool, infer, None)  # the instance is free again 0.4 s from now, when the next batch forms
+        time.sleep(0.1)
+        queued = [pool.submit(infer, 0.5), pool.submit(infer, None)]  # the first cannot end by its deadline
+        time.sleep(max(0.0, started + 0.48 - time.monotonic()))  # after the batch formed, within its queue delay
+        late_comer = pool.submit(infer, None)
+        for future in [*running, queued[1], late_comer]:
+            result = future.result(timeout=10)
+            np.testing.assert_allclose(result.as_numpy("OUT"), [[2 * ROUND_S]])  # type: ignore[attr-defined]
+        with pytest.raises(InferenceServerException, match="Deadline Exceeded"):
+            queued[0].result(timeout=10)
+    assert executions(server) - before == 2  # the running pair, then the queued request with the late comer
+
