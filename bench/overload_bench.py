@@ -643,6 +643,16 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def stolen_ticks() -> tuple[int, int]:
+    """(steal, all) clock ticks of the machine's CPUs since boot (/proc/stat): the time the hypervisor ran something
+    else while this VM wanted its CPUs. (0, 0) where /proc/stat does not exist."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return 0, 0
+    return values[7], sum(values)
+
+
 def thread_cpu_s(pid: int) -> float:
     """CPU seconds used so far by the main thread of `pid` (geserve's event loop), from /proc."""
     try:
@@ -791,9 +801,12 @@ def _cell(generator: Generator, server: Server, job: OpenLoop) -> dict[str, Any]
     """One open-loop cell on `server`, with the server's CPU, admission's counters and others' CPU share."""
     before = model_state(server)
     cpu_before, loop_before, wall_before = tree_cpu_s(server.pid), thread_cpu_s(server.pid), time.monotonic()
+    steal_before = stolen_ticks()
     with others_share() as others:
         cell = generator.run(job)
     wall = time.monotonic() - wall_before
+    steal_after = stolen_ticks()
+    cell["steal"] = (steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1])
     cell["server_cpu"] = (tree_cpu_s(server.pid) - cpu_before) / wall
     cell["loop_cpu"] = (thread_cpu_s(server.pid) - loop_before) / wall if server.key.startswith("geserve") else math.nan
     cell["others"] = others[0] if others else math.nan
@@ -922,7 +935,8 @@ def _ms(value: float) -> str:
 HEADER = ("| load | server | offered/s | goodput/s | ÷ capacity | p50 ms | p99 ms | late | refused | missed "
           "| other errors | unanswered |")
 DIAGNOSTICS_HEADER = ("| load | server | generator CPU | send lag p99 / max ms | connections | client backlog max "
-                      "| server CPU | others' CPU | health probe p99 / max ms | refusal p50 ms | most late by ms "
+                      "| server CPU | others' CPU / steal | health probe p99 / max ms | refusal p50 ms "
+                      "| most late by ms "
                       "| executed/s | batch avg | instance busy | admission (shed by reason, limit at the end) |")
 
 
@@ -948,7 +962,8 @@ def diagnostics_row(load: float, key: str, cell: dict[str, Any]) -> str:
     loop = "" if math.isnan(cell["loop_cpu"]) else f" (loop {cell['loop_cpu']:.0%})"
     return (f"| {load:g}x | {key} | {cell['generator_cpu']:.0%} | {_ms(cell['lag_p99_ms'])} / "
             f"{_ms(cell['lag_max_ms'])} | {cell['connections']} | {cell['max_backlog']} | "
-            f"{cell['server_cpu']:.0%}{loop} | {cell['others']:.0%} | {_ms(cell['probe_p99_ms'])} / "
+            f"{cell['server_cpu']:.0%}{loop} | {cell['others']:.0%} / {cell['steal']:.1%} | "
+            f"{_ms(cell['probe_p99_ms'])} / "
             f"{_ms(cell['probe_max_ms'])} | {_ms(cell['refusal_p50_ms'])} | "
             f"{cell['late_max_ms']:.1f} | {cell['executed_rate']:.0f} | {cell['batch_avg']:.1f} | "
             f"{cell['instance_busy']:.0%} | {note} |")
@@ -1057,7 +1072,9 @@ def report(run: Run, loads: list[float]) -> str:
               "scheduled arrival; server CPU = the server's process tree (with Triton's Python-backend stub) over "
               "the cell, of one core (geserve: its event-loop thread's part); others' CPU = the share of the machine's "
               "CPUs used by processes outside this "
-              f"run (a cell waits for it to fall below {BUSY_LIMIT:.0%} and is measured again once above it); health "
+              f"run (a cell waits for it to fall below {BUSY_LIMIT:.0%} and is measured again once above it), steal "
+              "= the share of the machine's CPU time the hypervisor gave to other guests while this one wanted it "
+              "(`/proc/stat`: a slow spell no process here caused); health "
               f"probe = `GET /v2/health/live` every {PROBE_PERIOD_S * 1000:.0f} ms on a connection of its own during "
               "the counted seconds, answered without the model: how long the server's front door stalls; most late "
               "by = the latest success's lateness (scheduled arrival + deadline to answer); executed = the requests "
