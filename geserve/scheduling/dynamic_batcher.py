@@ -360,7 +360,7 @@ class DynamicBatcher(AnswersLater):
             batch, rows = self._candidate(limit)
             if rows == limit and self._drop_doomed(batch, rows, now):
                 # Under overload the queue behind them is short (admission control keeps it so): without a wait
-                # the batch ran a row or two short each time a round overran (0.74 of capacity at 4x, 6.9 rows).
+                # the batch ran a row or two short each time a round overran (4x, slow spells: 6.9 rows of 8).
                 refill_until = refill_until or now + delay_ns
                 continue
             preferred = self._preferred_prefix(batch)
