@@ -351,9 +351,7 @@ class DynamicBatcher(AnswersLater):
         refill_until = 0  # once doomed requests left a full batch: arrivals may take their places until then
         while True:
             now = time.monotonic_ns()
-            rejected, next_timeout = self._queue.expire(now)
-            for pending in rejected:
-                self._complete(pending, QueueTimeoutError())
+            next_timeout = self._expire(now)
             if not self._queue.size:
                 return []
             limit, delay_ns = self._limits()
@@ -373,6 +371,13 @@ class DynamicBatcher(AnswersLater):
                     continue
             self._queue.remove(batch)
             return batch
+
+    def _expire(self, now: int) -> int:
+        """Answer the queued requests whose queue timeout passed by `now`; when the next one's passes (0: none)."""
+        rejected, next_timeout = self._queue.expire(now)
+        for pending in rejected:
+            self._complete(pending, QueueTimeoutError())
+        return next_timeout
 
     def _drop_doomed(self, batch: list[Pending], rows: int, now: int) -> bool:
         """Answer now (DEADLINE_EXCEEDED) the requests of a full batch that could not end by their caller's deadline
