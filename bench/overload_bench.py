@@ -82,7 +82,7 @@ from typing import Any, cast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from geserve.tune.machine import others_share, tree_cpu_s, wait_for_quiet  # noqa: E402
+from geserve.tune.machine import machine_ticks, others_share, tree_cpu_s, wait_for_quiet  # noqa: E402
 from tests.support import reference  # noqa: E402
 from tests.support.server import RunningServer, start_geserve, stop_geserve  # noqa: E402
 
@@ -647,10 +647,10 @@ def stolen_ticks() -> tuple[int, int]:
     """(steal, all) clock ticks of the machine's CPUs since boot (/proc/stat): the time the hypervisor ran something
     else while this VM wanted its CPUs. (0, 0) where /proc/stat does not exist."""
     try:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        values = machine_ticks()
     except OSError:
         return 0, 0
-    return values[7], sum(values)
+    return values[7], sum(values[:8])
 
 
 def thread_cpu_s(pid: int) -> float:

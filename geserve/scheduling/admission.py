@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from geserve.config import ModelConfig
@@ -131,7 +130,7 @@ class Admission:
         """Before the request is decoded: refuse it (OverloadedError) by the rules its body cannot change, the limit
         and the caller's `deadline` (a request shed under overload costs no decoding); else nothing."""
         now = time.monotonic()
-        calm = now - self._limit_refused_at >= _CALM_S
+        calm = self._calm(now)
         # Taken as bounded: its body may bound it (Triton's `timeout`); `admit` holds one nothing bounds to the limit.
         inflight = self._within_limit(inflight, self._limit_for(bounded=True, calm=calm))
         if deadline is not None and self.service_ns:
@@ -142,7 +141,7 @@ class Admission:
         """Refuse `request` (OverloadedError) when the model cannot take it now, with `inflight` requests in its
         scheduler; else nothing."""
         now = time.monotonic()
-        calm = now - self._limit_refused_at >= _CALM_S
+        calm = self._calm(now)
         inflight = self._within_limit(inflight, self._limit_for(self._bounded(request), calm))
         levels = self._settings.priority_levels
         if levels > 1:
@@ -152,6 +151,10 @@ class Admission:
         if self.service_ns:
             wait_ns, own_ns = self._estimate(inflight, calm)
             self._check_budget(inflight, now + wait_ns / 1e9, self._latest_start(request, own_ns, now))
+
+    def _calm(self, now: float) -> bool:
+        """Whether the model is calm at `now`: no request was refused with its limit held for `_CALM_S`."""
+        return now - self._limit_refused_at >= _CALM_S
 
     def _limit_for(self, bounded: bool, calm: bool) -> float:
         """The limit a request is held to: twice the concurrency limit for one the queue-time budget can judge
@@ -295,16 +298,7 @@ class Admission:
         runs = sorted(wall for rows, wall in pool.recent_runs if rows >= batch)
         enough = len(runs) >= _MIN_WINDOW_SAMPLES
         self.round_ns = runs[int(_ROUND_PERCENTILE * (len(runs) - 1))] if enough else 0.0
-        self.fast_round_ns = _least_full_batch(pool.recent_runs, batch)
-
-
-def _least_full_batch(runs: Iterable[tuple[int, int]], batch: int) -> float:
-    """The least wall time a full batch can take, as the latest `runs` (rows, ns) show: the fastest full one, or
-    without one the fastest of the largest (no faster than it: a batch's time does not fall with its rows); 0 when
-    none ran."""
-    largest, fastest = 0, 0
-    for rows, wall in runs:
-        rows = min(rows, batch)
-        if rows > largest or (rows == largest and wall < fastest):
-            largest, fastest = rows, wall
-    return float(fastest)
+        # The least a full batch can take: the fastest full one, or without one the fastest of the largest (a full
+        # batch is no faster: a batch's time does not fall with its rows); 0 while none ran.
+        largest = max((rows for rows, _ in pool.recent_runs), default=0)
+        self.fast_round_ns = float(runs[0] if runs else pool.fastest_run(largest))

@@ -12,9 +12,15 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PROC = Path("/proc")
 
 
+def machine_ticks() -> list[int]:
+    """The whole machine's CPU clock ticks since boot by state (/proc/stat's `cpu` line: user, nice, system, idle,
+    iowait, irq, softirq, steal, then guest time, already inside user)."""
+    return [int(v) for v in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
 def machine_busy_s() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    values = [int(v) for v in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
+    values = machine_ticks()
     total = sum(values[:8])  # guest time is already inside user
     return (total - values[3] - values[4]) / CLOCK_TICKS, total / CLOCK_TICKS  # minus idle and iowait
 
