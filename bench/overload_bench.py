@@ -33,8 +33,9 @@ What one run does:
    then `--duration` seconds whose arrivals are counted, then a drain until every request is answered (at most
    5 s). The generator keeps 64 connections open and opens more (up to 1024) when all are busy; a request that
    finds none free waits client-side for the next one, and that wait counts in its latency, which is always
-   measured from its scheduled arrival time. A cell waits for other processes to leave the CPUs and is measured
-   again if they used more than 15% of them meanwhile.
+   measured from its scheduled arrival time. A cell waits for the servers not driven to go idle (a Triton goes on
+   executing requests its clients gave up on) and for other processes to leave the CPUs, and is measured again if
+   those used more than 15% of them meanwhile.
 
 Each answer is classified on the client: a success within its deadline (goodput), a success after it (late), a 503
 carrying Retry-After (refused by admission control), "Request timeout expired" / "Deadline Exceeded" (missed: the
@@ -98,6 +99,8 @@ CAPACITY_CONCURRENCY = 32
 ADMITTED_CONCURRENCY = 2 * MAX_BATCH  # geserve_on's closed loop: its concurrency limit's floor (2 x instances x batch)
 BUSY_LIMIT = 0.15  # share of the CPUs used by other processes above which a cell waits, or is measured again
 QUIET_BUDGET_S = 120.0  # the run's total time for waiting on other processes
+IDLE_SERVERS_LIMIT = 0.02  # the servers not driven now (of one core) above which a cell waits before it starts
+SETTLE_MAX_S = 30.0  # how long a cell waits for them
 POOL = 64  # connections opened before a cell starts
 MAX_CONNECTIONS = 1024  # the generator opens more when all are busy, up to this many; then requests wait client-side
 SERVER_CORE, CLIENT_CORE = 0, 1
@@ -788,6 +791,7 @@ class Run:
     closed: dict[str, dict[str, Any]] = field(default_factory=dict)
     capacity: float = 0.0  # at the start: the offered loads are multiples of it
     capacity_at: dict[float, float] = field(default_factory=dict)  # measured beside each load's cells: its ratios
+    capacity_loop_at: dict[float, float] = field(default_factory=dict)  # geserve's loop's share of the core then
     deadline_ms: int = 0
     # --deadline-ms (0: 10x the unloaded p50, the issue's): for A/B runs, as that p50 varies by a tenth from run to
     # run and the deadline's length changes what admission can take
@@ -797,10 +801,30 @@ class Run:
     crashes: list[str] = field(default_factory=list)  # servers found exited (and started again)
 
 
-def _cell(generator: Generator, server: Server, job: OpenLoop) -> dict[str, Any]:
-    """One open-loop cell on `server`, with the server's CPU, admission's counters and others' CPU share."""
+def _idle_cpu_s(servers: dict[str, Server], driven: str) -> float:
+    """CPU seconds used so far by the servers not driven now (a Triton still working through a backlog its clients
+    gave up on shares the driven server's core)."""
+    return sum(tree_cpu_s(server.pid) for key, server in servers.items() if key != driven and server.alive())
+
+
+def _await_idle_servers(servers: dict[str, Server], driven: str) -> None:
+    """Wait (at most SETTLE_MAX_S) until the servers not driven now use under IDLE_SERVERS_LIMIT of a core."""
+    deadline = time.monotonic() + SETTLE_MAX_S
+    while time.monotonic() < deadline:
+        before = _idle_cpu_s(servers, driven)
+        time.sleep(0.5)
+        if (_idle_cpu_s(servers, driven) - before) / 0.5 < IDLE_SERVERS_LIMIT:
+            return
+    print(f"  (the servers beside {driven} were still busy after {SETTLE_MAX_S:.0f} s)", flush=True)
+
+
+def _cell(generator: Generator, servers: dict[str, Server], key: str, job: OpenLoop) -> dict[str, Any]:
+    """One open-loop cell on `servers[key]`, with the server's CPU, admission's counters, the idle servers' CPU and
+    others' CPU share."""
+    server = servers[key]
     before = model_state(server)
     cpu_before, loop_before, wall_before = tree_cpu_s(server.pid), thread_cpu_s(server.pid), time.monotonic()
+    idle_before = _idle_cpu_s(servers, key)
     steal_before = stolen_ticks()
     with others_share() as others:
         cell = generator.run(job)
@@ -808,6 +832,7 @@ def _cell(generator: Generator, server: Server, job: OpenLoop) -> dict[str, Any]
     steal_after = stolen_ticks()
     cell["steal"] = (steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1])
     cell["server_cpu"] = (tree_cpu_s(server.pid) - cpu_before) / wall
+    cell["idle_servers"] = (_idle_cpu_s(servers, key) - idle_before) / wall
     cell["loop_cpu"] = (thread_cpu_s(server.pid) - loop_before) / wall if server.key.startswith("geserve") else math.nan
     cell["others"] = others[0] if others else math.nan
     after = model_state(server)
@@ -851,7 +876,7 @@ def measure(generator: Generator, servers: dict[str, Server], run: Run, loads: l
     timed = request_bodies(run.deadline_ms)
     keys = list(servers)
     for step, load in enumerate(loads):
-        before = _capacity_now(generator, servers, run, plain)
+        before, loop_before = _capacity_now(generator, servers, run, plain)
         order = keys[step % len(keys):] + keys[:step % len(keys)]
         for key in order:
             cell = _open_loop_cell(generator, servers, key, run, load, OpenLoop(
@@ -859,8 +884,10 @@ def measure(generator: Generator, servers: dict[str, Server], run: Run, loads: l
                 run.mode.duration_s, seed=1000 + step))
             if cell:
                 run.cells[(load, key)] = cell
-        run.capacity_at[load] = (before + _capacity_now(generator, servers, run, plain)) / 2
-        print(f"capacity beside the {load:g}x cells: {run.capacity_at[load]:.0f}/s", flush=True)
+        after, loop_after = _capacity_now(generator, servers, run, plain)
+        run.capacity_at[load], run.capacity_loop_at[load] = (before + after) / 2, (loop_before + loop_after) / 2
+        print(f"capacity beside the {load:g}x cells: {run.capacity_at[load]:.0f}/s "
+              f"({_share(run.capacity_loop_at[load])})", flush=True)
         for key in order:
             if (load, key) in run.cells:
                 print(row(run, load, key), flush=True)
@@ -879,19 +906,25 @@ def _closed_loop(generator: Generator, key: str, server: Server, run: Run, plain
     """`server`'s closed-loop throughput run (geserve on at its concurrency limit's floor, the others at 32), with the
     concurrency it ran at."""
     concurrency = ADMITTED_CONCURRENCY if key == "geserve_on" else CAPACITY_CONCURRENCY
+    loop_before, wall_before = thread_cpu_s(server.pid), time.monotonic()
     closed = generator.run(ClosedLoop("127.0.0.1", server.port, plain, concurrency, run.mode.capacity_s / 3,
                                       run.mode.capacity_s))
     closed["concurrency"] = concurrency
+    # over the warm-up too: the loop's share of the core while the model runs full batches back to back
+    loop_s = thread_cpu_s(server.pid) - loop_before if key.startswith("geserve") else math.nan
+    closed["loop_cpu"] = loop_s / (time.monotonic() - wall_before)
     return closed
 
 
-def _capacity_now(generator: Generator, servers: dict[str, Server], run: Run, plain: tuple[bytes, ...]) -> float:
+def _capacity_now(generator: Generator, servers: dict[str, Server], run: Run,
+                  plain: tuple[bytes, ...]) -> tuple[float, float]:
     """The capacity measured again, as at the start: the VM's speed drifts by more than a target's margin over a run
     (the same closed loop gave 378-490/s within 15 minutes), so each load's ratios are to the capacity measured
     before and after its cells."""
     basis = _basis(servers)
     _quiet(run)
-    return float(_closed_loop(generator, basis, servers[basis], run, plain)["throughput"])
+    closed = _closed_loop(generator, basis, servers[basis], run, plain)
+    return float(closed["throughput"]), float(closed["loop_cpu"])
 
 
 def _open_loop_cell(generator: Generator, servers: dict[str, Server], key: str, run: Run, load: float,
@@ -909,13 +942,14 @@ def _open_loop_cell(generator: Generator, servers: dict[str, Server], key: str, 
             servers[key] = restart()
         job = replace(job, port=servers[key].port)
         time.sleep(1.0)
+        _await_idle_servers(servers, key)
         _quiet(run)
         try:
-            cell = _cell(generator, servers[key], job)
+            cell = _cell(generator, servers, key, job)
             if cell["others"] > BUSY_LIMIT and run.quiet_left_s > 0:
                 print(f"  (others used {cell['others']:.0%} of the CPUs: measured again)", flush=True)
                 _quiet(run)
-                cell = _cell(generator, servers[key], job)
+                cell = _cell(generator, servers, key, job)
         except RuntimeError as exc:  # the server could not be reached: it exited
             if servers[key].alive():
                 raise
@@ -935,8 +969,8 @@ def _ms(value: float) -> str:
 HEADER = ("| load | server | offered/s | goodput/s | ÷ capacity | p50 ms | p99 ms | late | refused | missed "
           "| other errors | unanswered |")
 DIAGNOSTICS_HEADER = ("| load | server | generator CPU | send lag p99 / max ms | connections | client backlog max "
-                      "| server CPU | others' CPU / steal | health probe p99 / max ms | refusal p50 ms "
-                      "| most late by ms "
+                      "| server CPU | idle servers' CPU | others' CPU / steal | health probe p99 / max ms "
+                      "| refusal p50 ms | most late by ms "
                       "| executed/s | batch avg | instance busy | admission (shed by reason, limit at the end) |")
 
 
@@ -962,7 +996,8 @@ def diagnostics_row(load: float, key: str, cell: dict[str, Any]) -> str:
     loop = "" if math.isnan(cell["loop_cpu"]) else f" (loop {cell['loop_cpu']:.0%})"
     return (f"| {load:g}x | {key} | {cell['generator_cpu']:.0%} | {_ms(cell['lag_p99_ms'])} / "
             f"{_ms(cell['lag_max_ms'])} | {cell['connections']} | {cell['max_backlog']} | "
-            f"{cell['server_cpu']:.0%}{loop} | {cell['others']:.0%} / {cell['steal']:.1%} | "
+            f"{cell['server_cpu']:.0%}{loop} | {cell['idle_servers']:.1%} | {cell['others']:.0%} / "
+            f"{cell['steal']:.1%} | "
             f"{_ms(cell['probe_p99_ms'])} / "
             f"{_ms(cell['probe_max_ms'])} | {_ms(cell['refusal_p50_ms'])} | "
             f"{cell['late_max_ms']:.1f} | {cell['executed_rate']:.0f} | {cell['batch_avg']:.1f} | "
@@ -1009,10 +1044,16 @@ def targets(run: Run) -> list[str]:
 
 
 def _capacity_note(run: Run, loads: list[float]) -> str:
-    beside = ", ".join(f"{load:g}x {run.capacity_at[load]:.0f}/s" for load in loads if load in run.capacity_at)
+    beside = ", ".join(f"{load:g}x {run.capacity_at[load]:.0f}/s ({_share(run.capacity_loop_at[load])})"
+                       for load in loads if load in run.capacity_at)
     return ("The offered loads are multiples of that capacity; each load's ratios (÷ capacity) are to the capacity "
             "measured again the same way before and after its cells (their mean), since this VM's speed drifts by "
-            f"more than a target's margin over a run: {beside}.")
+            "more than a target's margin over a run (in brackets: the event loop's share of the core meanwhile, "
+            f"where the basis is geserve): {beside}.")
+
+
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"loop {value:.0%}"
 
 
 def report(run: Run, loads: list[float]) -> str:
@@ -1070,7 +1111,10 @@ def report(run: Run, loads: list[float]) -> str:
               "## Diagnostics", "",
               "generator CPU = the generator process's CPU over the cell (its core: 100%); send lag = actual send - "
               "scheduled arrival; server CPU = the server's process tree (with Triton's Python-backend stub) over "
-              "the cell, of one core (geserve: its event-loop thread's part); others' CPU = the share of the machine's "
+              "the cell, of one core (geserve: its event-loop thread's part); idle servers' CPU = the servers not "
+              "driven in the cell (all on the same core), of one core (a cell waits until they use under "
+              f"{IDLE_SERVERS_LIMIT:.0%} of it, at most {SETTLE_MAX_S:.0f} s: a Triton still executing requests "
+              "its clients gave up on); others' CPU = the share of the machine's "
               "CPUs used by processes outside this "
               f"run (a cell waits for it to fall below {BUSY_LIMIT:.0%} and is measured again once above it), steal "
               "= the share of the machine's CPU time the hypervisor gave to other guests while this one wanted it "
