@@ -79,8 +79,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="run executions typically taking less CPU time than this on the event loop (0: always on instance "
              "threads)")
     add("--compute-nice", type=int,
-        help="run the threads that execute models this many nice levels below the event loop (Linux; 0: the same), so "
-             "that arrivals and answers do not wait behind a running execution on a shared core")
+        help="run the threads that execute models this many nice levels below the event loop, which also takes the "
+             "kernel's shortest time slice (Linux; 0: the same level and slice), so that arrivals and answers do not "
+             "wait behind a running execution on a shared core")
     add("--loop-batching", type=_bool, metavar="on|off",
         help="while admission control refuses arrivals, batch-schedule the event loop (Linux SCHED_BATCH): arrivals "
              "wait for the scheduler's tick instead of each preempting a running execution; deadlines are kept that "

@@ -70,7 +70,8 @@ class Server:
         self.settings = settings
         self.link = link
         compute_priority.configure(settings.compute_nice)
-        LOOP_BATCHING.configure(settings.loop_batching)
+        # The loop's short slice is how it preempts the lowered compute threads at once on kernels since 6.6.
+        LOOP_BATCHING.configure(settings.loop_batching, short_slice=settings.compute_nice > 0)
         if link is not None:  # the workers share the cores: each instance's intra-op threads count this one's share
             devices.share_cores(link.count)
         self.store = ModelStore(settings.model_repositories)
@@ -223,6 +224,7 @@ class Server:
 
     async def start(self) -> None:
         self.service.loop = asyncio.get_running_loop()
+        LOOP_BATCHING.claim()
         try:
             await self.load_initial_models()
             if self.link is not None:  # the server's control state (loads, unloads, regions) before serving

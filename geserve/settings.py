@@ -90,9 +90,10 @@ class ServerSettings:
     """Executions typically taking less CPU time than this run on the event loop instead of an instance thread (0:
     never)."""
     compute_nice: int = 5
-    """How many nice levels below the event loop the threads that execute models run (Linux; 0: the same level): the
-    loop then preempts them at once on a shared core, so arrivals, refusals, answers and health probes do not wait for
-    a compute thread's time slice (devices/compute_priority.py)."""
+    """How many nice levels below the event loop the threads that execute models run (Linux; 0: the same level), the
+    loop taking the kernel's shortest time slice besides (0: its default): the loop then preempts them at once on a
+    shared core, so arrivals, refusals, answers and health probes do not wait for a compute thread's time slice
+    (devices/compute_priority.py, devices/thread_scheduling.py)."""
     loop_batching: bool = True
     """While admission control refuses arrivals, the event loop runs as SCHED_BATCH (Linux): an arrival waits for the
     scheduler's tick instead of preempting a running execution, and deadlines are kept that wait earlier

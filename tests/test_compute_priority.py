@@ -1,6 +1,7 @@
 """The compute threads' priority (--compute-nice, devices/compute_priority.py): model executions run below the event
-loop, and so do the intra-op threads ONNX Runtime starts for a session; checked on real threads and on a real server
-process with a real ONNX Runtime session (Linux: /proc shows each thread's nice value)."""
+loop, and so do the intra-op threads ONNX Runtime starts for a session, and the loop takes the shortest time slice
+(devices/thread_scheduling.py); checked on real threads and on a real server process with a real ONNX Runtime
+session (Linux: /proc shows each thread's nice value, sched_getattr its slice)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from geserve.devices import compute_priority
+from geserve.devices.thread_scheduling import SHORTEST_SLICE_S, slice_s
 from tests.support import models
 from tests.support.server import geserve
 
@@ -115,6 +117,7 @@ def test_a_server_runs_its_model_threads_below_its_event_loop(tmp_path: Path, of
         infer(server.url)
         pid = server.process.pid
         values = server_nice_values(pid)
+        slices = {thread: slice_s(thread) for thread in values}
         model_processes = [server_nice_values(child) for child in server.children()]
     base = values[pid]  # the main thread runs the event loop
     lowered = [thread for thread, value in values.items() if value == base + offset and thread != pid]
@@ -125,3 +128,7 @@ def test_a_server_runs_its_model_threads_below_its_event_loop(tmp_path: Path, of
         assert set(values.values()) == {base, base + offset}, values
     else:
         assert set(values.values()) == {base}, values
+    if slice_s(threading.get_native_id()):  # the kernel reports slices (Linux 6.12 and later)
+        # With lowered compute threads the loop preempts them at once: its slice is the shortest, not theirs.
+        assert (slices[pid] == SHORTEST_SLICE_S) == bool(offset), slices
+        assert all(slices[thread] > SHORTEST_SLICE_S for thread in lowered), slices

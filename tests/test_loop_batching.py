@@ -1,6 +1,7 @@
 """The event loop batch-scheduled while admission control refuses (devices/loop_batching.py): the thread's real
-scheduling policy as the kernel reports it, switched once refusals come fast and back after a refusal-free window,
-and the deadline a caller's timeout gives kept the read delay earlier meanwhile. On a real asyncio loop; Linux only."""
+scheduling policy and time slice as the kernel reports them, switched once refusals come fast and back after a
+refusal-free window, and the deadline a caller's timeout gives kept the read delay earlier meanwhile. On a real
+asyncio loop; Linux only."""
 
 from __future__ import annotations
 
@@ -14,19 +15,27 @@ from collections.abc import Iterator
 import pytest
 
 from geserve.devices.loop_batching import ENGAGE_REFUSALS, LOOP_BATCHING, LoopBatching, kernel_tick_s
+from geserve.devices.thread_scheduling import SHORTEST_SLICE_S, set_policy, slice_s
 from geserve.service.deadlines import DELIVERY_ALLOWANCE_S, caller_deadline
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
 
 
 def policy() -> int:
-    return os.sched_getscheduler(threading.get_native_id())
+    """The calling thread's policy, less the reset-on-fork flag the loop's own scheduling sets."""
+    return os.sched_getscheduler(threading.get_native_id()) & ~os.SCHED_RESET_ON_FORK
+
+
+def slices_reported() -> bool:
+    """Whether the kernel reports a thread's slice (Linux 6.12 and later, x86_64 and aarch64 here)."""
+    return slice_s(threading.get_native_id()) > 0
 
 
 @pytest.fixture(autouse=True)
 def normal_afterwards() -> Iterator[None]:
     yield
-    os.sched_setscheduler(threading.get_native_id(), os.SCHED_OTHER, os.sched_param(0))
+    # the kernel's default slice too (sched_setscheduler keeps a slice asked for): later tests' servers inherit it
+    set_policy(threading.get_native_id(), os.SCHED_OTHER, 0.0)
 
 
 def test_the_tick_is_the_kernels() -> None:
@@ -85,7 +94,7 @@ def test_switched_off_or_off_any_loop_nothing_changes() -> None:
     switch = LoopBatching(idle_window_s=0.05, engage_after=1)
     switch.refused(time.monotonic())  # no running loop: nothing could switch it back
     assert policy() == os.SCHED_OTHER and not switch.batched
-    switch.configure(False)
+    switch.configure(False, short_slice=False)
 
     async def run() -> None:
         switch.refused(time.monotonic())
@@ -111,3 +120,36 @@ def test_a_callers_deadline_is_kept_the_read_delay_earlier_while_batched(monkeyp
     assert deadlines[0] == pytest.approx(0.05 - DELIVERY_ALLOWANCE_S)
     assert deadlines[1] == pytest.approx(0.05 - DELIVERY_ALLOWANCE_S - LOOP_BATCHING.bound_s)
     assert not LOOP_BATCHING.batched
+
+
+def test_the_loop_keeps_its_short_slice_around_batch_scheduling_and_its_threads_do_not_inherit_it() -> None:
+    if not slices_reported():
+        pytest.skip("the kernel does not report time slices (before Linux 6.12)")
+    switch = LoopBatching(idle_window_s=0.05, engage_after=1)
+    switch.configure(True, short_slice=True)
+    default = slice_s(threading.get_native_id())
+    seen: dict[str, object] = {}
+
+    async def run() -> None:
+        switch.claim()
+        seen["claimed"] = (policy(), slice_s(threading.get_native_id()))
+        started = threading.Thread(target=lambda: seen.update(started=slice_s(threading.get_native_id())))
+        started.start()
+        started.join()
+        switch.refused(time.monotonic())
+        seen["batched"] = policy()
+        await asyncio.sleep(0.15)
+        seen["back"] = (policy(), slice_s(threading.get_native_id()))
+
+    asyncio.run(run())
+    assert default > SHORTEST_SLICE_S
+    assert seen == {"claimed": (os.SCHED_OTHER, SHORTEST_SLICE_S), "started": default, "batched": os.SCHED_BATCH,
+                    "back": (os.SCHED_OTHER, SHORTEST_SLICE_S)}
+
+
+def test_without_the_short_slice_claiming_the_loop_changes_nothing() -> None:
+    switch = LoopBatching()
+    switch.configure(True, short_slice=False)
+    before = slice_s(threading.get_native_id())
+    switch.claim()
+    assert (policy(), slice_s(threading.get_native_id())) == (os.SCHED_OTHER, before)

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from geserve.devices.thread_scheduling import SHORTEST_SLICE_S, slice_s
 from tests.support import models
 from tests.support.ensembles import Ensemble, Step
 from tests.support.server import RunningServer, start_geserve, stop_geserve
@@ -549,16 +550,18 @@ def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
 ) -> None:
     """While admission control refuses fast, the server's event loop (its main thread) runs as SCHED_BATCH, as the
     kernel reports it: not after one refusal, but within a run of them on one keep-alive connection (20 within 100 ms
-    switch it); a second or so after the last refusal it runs as SCHED_OTHER again (devices/loop_batching.py)."""
+    switch it); a second or so after the last refusal it runs as SCHED_OTHER again, with the short slice it had before
+(devices/loop_batching.py)."""
     model = "scheduled"
     loop_thread = on_server.process.pid
     deadline = time.monotonic() + 10
-    while os.sched_getscheduler(loop_thread) != os.SCHED_OTHER:  # an earlier test's refusals may still hold it
+    while policy_of(loop_thread) != os.SCHED_OTHER:  # an earlier test's refusals may still hold it
         assert time.monotonic() < deadline
         time.sleep(0.1)
     filled = fill(load, on_server, model, limit_of(on_server, model))
     assert_refusal(http_call(on_server, model, 0.0), model)
-    assert os.sched_getscheduler(loop_thread) == os.SCHED_OTHER
+    assert policy_of(loop_thread) == os.SCHED_OTHER
+    short = slice_s(loop_thread)
     body = json.dumps({"inputs": [{"name": "IN", "shape": [1], "datatype": "FP32", "data": [0.0]}]})
     connection = http.client.HTTPConnection("127.0.0.1", on_server.http_port, timeout=60)
     try:
@@ -567,16 +570,22 @@ def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
             response = connection.getresponse()
             response.read()
             assert response.status == 503
-            if os.sched_getscheduler(loop_thread) == os.SCHED_BATCH:
+            if policy_of(loop_thread) == os.SCHED_BATCH:
                 break
     finally:
         connection.close()
-    assert os.sched_getscheduler(loop_thread) == os.SCHED_BATCH
+    assert policy_of(loop_thread) == os.SCHED_BATCH
     assert_answered(filled)
     deadline = time.monotonic() + 10
-    while os.sched_getscheduler(loop_thread) != os.SCHED_OTHER:
+    while policy_of(loop_thread) != os.SCHED_OTHER:
         assert time.monotonic() < deadline, "the loop stayed batch-scheduled with nothing refused"
         time.sleep(0.1)
+    assert slice_s(loop_thread) == short and short in (0.0, SHORTEST_SLICE_S)  # 0.0: a kernel before 6.12
+
+
+def policy_of(thread: int) -> int:
+    """A thread's scheduling policy, less the reset-on-fork flag the loop's scheduling sets."""
+    return os.sched_getscheduler(thread) & ~os.SCHED_RESET_ON_FORK
 
 
 def test_requests_arriving_together_are_admitted_against_each_other(on_server: RunningServer) -> None:

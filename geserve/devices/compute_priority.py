@@ -5,8 +5,9 @@ Why: on a busy core the kernel lets a running compute thread finish its time sli
 loop runs; every arrival then waits that long before the server sees it, answers leave that late, and a deadline the
 server keeps from its own clock ends later at the client than it did at the server (bench/overload_bench.py counted
 late successes from it, and health probes waited up to 27 ms at 4x overload). With the compute threads a few nice
-levels down the loop preempts them at once, and still cannot starve them: the kernel's weights keep them a share
-(nice 5: about a quarter of a core the loop saturates). Linux only (a thread's nice value is its own there).
+levels down (and, on kernels since 6.6, the loop's own short slice: thread_scheduling.py) the loop preempts them at
+once, and still cannot starve them: the kernel's weights keep them a share (nice 5: about a quarter of a core the
+loop saturates). Linux only (a thread's nice value is its own there).
 """
 
 from __future__ import annotations

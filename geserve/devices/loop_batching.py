@@ -1,5 +1,6 @@
-"""The event loop's CPU scheduling under overload: while admission control refuses arrivals, the loop thread runs
-as SCHED_BATCH, so that an arrival no longer preempts the model's compute thread the moment it lands.
+"""The event loop's CPU scheduling: normally a short time slice, so that an arrival preempts a running execution at
+once (devices/thread_scheduling.py); under overload, while admission control refuses arrivals, SCHED_BATCH, so that
+an arrival no longer preempts the model's compute thread the moment it lands.
 
 Why: at four times a model's capacity most arrivals are refused, each in a few µs of Python, but each also woke the
 loop on its own: two context switches on the model's core and a loop iteration for one request. Batch-scheduled, a
@@ -31,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from geserve.devices import thread_scheduling
+
 IDLE_WINDOW_S = 1.0  # the loop is scheduled normally again once nothing was refused for this long
 ENGAGE_REFUSALS, ENGAGE_WINDOW_S = 20, 0.1  # it is batch-scheduled once this many refusals come within this window
 _DEFAULT_HZ = 250  # the common distribution kernels' tick when the kernel's configuration cannot be read
@@ -54,7 +57,7 @@ class LoopBatching:
     """One process's switch (`LOOP_BATCHING`): `refused()` on each admission refusal, `read_delay_s` for deadlines."""
 
     __slots__ = ("_enabled", "_engage_after", "_idle_window_s", "_last_refusal", "_run", "_run_start", "_settled_at",
-                 "_thread", "bound_s")
+                 "_slice_s", "_thread", "bound_s")
 
     def __init__(self, idle_window_s: float = IDLE_WINDOW_S, engage_after: int = ENGAGE_REFUSALS) -> None:
         self._enabled = _SUPPORTED
@@ -65,11 +68,19 @@ class LoopBatching:
         self._thread = 0  # the batch-scheduled loop thread's native id; 0 while it runs normally
         self._last_refusal = 0.0
         self._settled_at = 0.0  # until then a request read may still have waited for a tick (after going back)
+        self._slice_s = 0.0  # the loop's time slice while scheduled normally (0: the kernel's default)
         self.bound_s = kernel_tick_s() + _SLICE_S
 
-    def configure(self, enabled: bool) -> None:
-        """`--loop-batching`: whether refusals may batch-schedule the loop (off: it always wakes at once)."""
+    def configure(self, enabled: bool, short_slice: bool) -> None:
+        """`--loop-batching`: whether refusals may batch-schedule the loop (off: it always wakes at once);
+        `short_slice`: whether the loop, scheduled normally, preempts a running execution at once."""
         self._enabled = enabled and _SUPPORTED
+        self._slice_s = thread_scheduling.SHORTEST_SLICE_S if short_slice else 0.0
+
+    def claim(self) -> None:
+        """Called on the event loop's thread as the server starts: its normal scheduling, with the short slice."""
+        if _SUPPORTED and self._slice_s:
+            thread_scheduling.set_policy(threading.get_native_id(), os.SCHED_OTHER, self._slice_s)
 
     @property
     def batched(self) -> bool:
@@ -91,7 +102,7 @@ class LoopBatching:
         except RuntimeError:  # refused off any loop (a test of admission alone): there is no loop to schedule
             return
         thread = threading.get_native_id()
-        if _set_policy(thread, os.SCHED_BATCH):
+        if thread_scheduling.set_policy(thread, os.SCHED_BATCH, self._slice_s):
             self._thread = thread
             loop.call_later(self._idle_window_s, self._check)
 
@@ -108,18 +119,9 @@ class LoopBatching:
         if quiet_for < self._idle_window_s:
             asyncio.get_running_loop().call_later(self._idle_window_s - quiet_for, self._check)
             return
-        _set_policy(self._thread, os.SCHED_OTHER)
+        thread_scheduling.set_policy(self._thread, os.SCHED_OTHER, self._slice_s)
         self._thread = 0
         self._settled_at = now + self.bound_s
-
-
-def _set_policy(thread: int, policy: int) -> bool:
-    """Whether `thread` now runs under `policy` (its nice value kept); never raises."""
-    try:
-        os.sched_setscheduler(thread, policy, os.sched_param(0))
-    except OSError:
-        return False
-    return True
 
 
 LOOP_BATCHING = LoopBatching()
