@@ -5,6 +5,8 @@ objects as perf_analyzer's bytes, answers caught by a stand-in transport. Layers
 - http: the whole path (HTTP parsing, the inference app, decoding, the service, scheduling, ONNX Runtime, encoding);
 - service: `service.infer` on a decoded request (the service, scheduling and ONNX Runtime);
 - onnxruntime: the model's session run alone (b=1);
+- refused: a request admission control refuses (503), the model held at its concurrency limit (the service's count
+  of held requests set to the limit: nothing runs);
 
 each unbatched (one connection, one request at a time) and with `dynamic_batching { max_queue_delay_microseconds:
 2000 }` (16 connections, each with one request in flight, as perf_analyzer's c=16 closed loop; issue 15's cell), as
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +47,7 @@ from geserve.workers.supervisor import worker_count  # noqa: E402
 MODEL = "mlp"
 CONCURRENCY = 16  # connections with one request each in the batched cells
 DELAY_US = 2000  # the batched cells' max_queue_delay_microseconds
+ADMITTED_SUFFIX = "_admitted"  # the batched model again, with admission control (the refusal cell's)
 
 
 class CatchingTransport(asyncio.Transport):
@@ -123,6 +127,17 @@ async def http_cost(front: NativeHttpServer, model: str, connections: int, reque
     return cost
 
 
+async def refusal_cost(server: Server, front: NativeHttpServer, model: str, requests: int) -> float:
+    """Main-thread CPU µs per request refused at `model`'s concurrency limit, through the HTTP server."""
+    admission = server.manager.get(model, "").admission
+    assert admission is not None, "the model's overload_control parameter turns it on"
+    admission.held = int(admission.limit)
+    try:
+        return await http_cost(front, model, 1, requests)
+    finally:
+        admission.held = 0
+
+
 async def service_cost(server: Server, model: str, connections: int, requests: int) -> float:
     feed = np.random.default_rng(0).standard_normal((1, 256), dtype=np.float32)
 
@@ -170,6 +185,8 @@ async def measure(repo: Path, rounds: int, requests: int) -> dict[str, list[floa
                  http_cost(front, MODEL + harness.DB_SUFFIX, CONCURRENCY, requests)),
                 (f"service, dynamic batching, {CONCURRENCY} at once",
                  service_cost(server, MODEL + harness.DB_SUFFIX, CONCURRENCY, requests)),
+                ("http, refused at the concurrency limit (503)",
+                 refusal_cost(server, front, MODEL + ADMITTED_SUFFIX, requests)),
             ):
                 cells.setdefault(label, []).append(await cost)
             cells.setdefault("onnxruntime session run, b=1, 1 thread", []).append(onnxruntime_cost(requests))
@@ -190,6 +207,17 @@ def report(cells: dict[str, list[float]], rounds: int, requests: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def admitted_repository(repo: Path) -> None:
+    """The batched model again under MODEL + ADMITTED_SUFFIX, admission-controlled by its `overload_control`
+    parameter (the other cells' models keep the server's default: off)."""
+    batched = repo / (MODEL + harness.DB_SUFFIX)
+    admitted = repo / (MODEL + ADMITTED_SUFFIX)
+    shutil.copytree(batched, admitted, symlinks=True)
+    config = (batched / "config.pbtxt").read_text().replace(MODEL + harness.DB_SUFFIX, MODEL + ADMITTED_SUFFIX)
+    (admitted / "config.pbtxt").write_text(
+        config + '\nparameters { key: "overload_control" value: { string_value: "on" } }\n')
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -198,6 +226,7 @@ def main() -> int:
     harness.ensure_installed([MODEL])
     with tempfile.TemporaryDirectory(prefix="http-path-") as tmp:
         repo = harness.model_repository([MODEL], Path(tmp) / "repo", DELAY_US)
+        admitted_repository(repo)
         try:
             import uvloop
 

@@ -167,7 +167,7 @@ class Outcome:
 
 
 def http_call(server: RunningServer, model: str, seconds: float, priority: int = 0, timeout_us: int = 0,
-              deadline_ms: int = 0) -> Outcome:
+              deadline_ms: int = 0, extra_headers: dict[str, str] | None = None) -> Outcome:
     """One inference over HTTP/JSON with the standard library, so the answer's headers can be read; `deadline_ms`:
     a gateway's deadline for the answer (`x-envoy-expected-rq-timeout-ms`)."""
     parameters = {}
@@ -180,7 +180,7 @@ def http_call(server: RunningServer, model: str, seconds: float, priority: int =
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     started = time.monotonic()
     try:
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(extra_headers or {})}
         if deadline_ms:
             headers["x-envoy-expected-rq-timeout-ms"] = str(deadline_ms)
         connection.request("POST", f"/v2/models/{model}/infer", body, headers)
@@ -586,6 +586,26 @@ def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
 def policy_of(thread: int) -> int:
     """A thread's scheduling policy, less the reset-on-fork flag the loop's scheduling sets."""
     return os.sched_getscheduler(thread) & ~os.SCHED_RESET_ON_FORK
+
+
+def test_a_restricted_api_judges_a_call_before_admission_control(tmp_path: Path) -> None:
+    """With the inference API restricted (--http-restricted-api), a call without its header is refused 403 at a
+    model held at its concurrency limit, not 503: the caller's policies come before the model's admission control,
+    which refuses (503) the same call with the header. Every request of the fill is answered."""
+    root = _write(tmp_path / "models", {"guarded": DIRECT})
+    server = start_geserve([root], tmp_path / "geserve.log",
+                           ["--overload-control", "on", "--http-restricted-api", "inference:x-key=secret"])
+    load = Load(server)  # gRPC is not restricted
+    try:
+        filled = fill(load, server, "guarded", limit_of(server, "guarded"))
+        without_key = http_call(server, "guarded", 0.0)
+        with_key = http_call(server, "guarded", 0.0, extra_headers={"x-key": "secret"})
+        assert_answered(filled)
+    finally:
+        load.close()
+        stop_geserve(server)
+    assert without_key.status == "403", without_key
+    assert_refusal(with_key, "guarded")
 
 
 def test_requests_arriving_together_are_admitted_against_each_other(on_server: RunningServer) -> None:
