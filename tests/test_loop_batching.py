@@ -122,7 +122,7 @@ def test_a_callers_deadline_is_kept_the_read_delay_earlier_while_batched(monkeyp
     assert not LOOP_BATCHING.batched
 
 
-def test_the_loop_keeps_its_short_slice_around_batch_scheduling_and_its_threads_do_not_inherit_it() -> None:
+def test_the_loop_has_its_short_slice_but_while_batch_scheduled_and_its_threads_do_not_inherit_it() -> None:
     if not slices_reported():
         pytest.skip("the kernel does not report time slices (before Linux 6.12)")
     switch = LoopBatching(idle_window_s=0.05, engage_after=1)
@@ -137,14 +137,14 @@ def test_the_loop_keeps_its_short_slice_around_batch_scheduling_and_its_threads_
         started.start()
         started.join()
         switch.refused(time.monotonic())
-        seen["batched"] = policy()
+        seen["batched"] = (policy(), slice_s(threading.get_native_id()))
         await asyncio.sleep(0.15)
         seen["back"] = (policy(), slice_s(threading.get_native_id()))
 
     asyncio.run(run())
     assert default > SHORTEST_SLICE_S
-    assert seen == {"claimed": (os.SCHED_OTHER, SHORTEST_SLICE_S), "started": default, "batched": os.SCHED_BATCH,
-                    "back": (os.SCHED_OTHER, SHORTEST_SLICE_S)}
+    assert seen == {"claimed": (os.SCHED_OTHER, SHORTEST_SLICE_S), "started": default,
+                    "batched": (os.SCHED_BATCH, default), "back": (os.SCHED_OTHER, SHORTEST_SLICE_S)}
 
 
 def test_without_the_short_slice_claiming_the_loop_changes_nothing() -> None:

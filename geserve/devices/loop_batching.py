@@ -1,6 +1,6 @@
 """The event loop's CPU scheduling: normally a short time slice, so that an arrival preempts a running execution at
-once (devices/thread_scheduling.py); under overload, while admission control refuses arrivals, SCHED_BATCH, so that
-an arrival no longer preempts the model's compute thread the moment it lands.
+once (devices/thread_scheduling.py); under overload, while admission control refuses arrivals, SCHED_BATCH at the
+kernel's default slice, so that an arrival no longer preempts the model's compute thread the moment it lands.
 
 Why: at four times a model's capacity most arrivals are refused, each in a few µs of Python, but each also woke the
 loop on its own: two context switches on the model's core and a loop iteration for one request. Batch-scheduled, a
@@ -102,7 +102,8 @@ class LoopBatching:
         except RuntimeError:  # refused off any loop (a test of admission alone): there is no loop to schedule
             return
         thread = threading.get_native_id()
-        if thread_scheduling.set_policy(thread, os.SCHED_BATCH, self._slice_s):
+        # The kernel's default slice meanwhile: a turn reading a tick's arrivals runs whole, not cut at the next tick.
+        if thread_scheduling.set_policy(thread, os.SCHED_BATCH):
             self._thread = thread
             loop.call_later(self._idle_window_s, self._check)
 
