@@ -1,8 +1,8 @@
 """A thread's scheduling policy with its EEVDF time slice, through Linux's `sched_setattr` (Python's os module wraps
-only `sched_setscheduler`, which cannot ask for a slice and resets one asked for).
+only `sched_setscheduler`, which cannot ask for a slice).
 
 Why the slice: since Linux 6.6 the fair scheduler (EEVDF) lets a running thread keep the core until its slice ends
-(0.75 ms x (1 + log2 CPUs): 1.5 ms on two) before a woken thread of a lower nice value runs; only a woken thread
+(0.7 ms x (1 + log2 CPUs): 1.4 ms on two) before a woken thread of a lower nice value runs; only a woken thread
 with a shorter slice than the running one's preempts it at once (6.12's PREEMPT_SHORT). Measured on a 2-vCPU VM
 (6.18), a loop reading 500 arrivals a second on a core with a nice-5 compute thread (bench/loop_wakeup_bench.py,
 eight rounds): 41 of 35,000 reads came more than 1 ms after the send (up to 3.6 ms) at the default slice, 8 with a
@@ -45,7 +45,7 @@ def set_policy(thread: int, policy: int, slice_s: float = 0.0) -> bool:
 
 
 def slice_s(thread: int) -> float:
-    """The slice `thread` asked for (0: the kernel's default, or unknown here)."""
+    """The time slice `thread` runs with, as Linux 6.12 and later report it (0: not reported here)."""
     if _SCHED_GETATTR is None:
         return 0.0
     buffer = ctypes.create_string_buffer(_ATTR.size)
