@@ -153,3 +153,12 @@ def test_without_the_short_slice_claiming_the_loop_changes_nothing() -> None:
     before = slice_s(threading.get_native_id())
     switch.claim()
     assert (policy(), slice_s(threading.get_native_id())) == (os.SCHED_OTHER, before)
+
+
+def test_a_thread_that_is_gone_is_not_scheduled_and_nothing_raises() -> None:
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    assert gone.native_id is not None
+    assert set_policy(gone.native_id, os.SCHED_BATCH, SHORTEST_SLICE_S) is False
+    assert slice_s(gone.native_id) == 0.0
