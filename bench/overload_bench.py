@@ -100,6 +100,10 @@ ADMITTED_CONCURRENCY = 2 * MAX_BATCH  # geserve_on's closed loop: its concurrenc
 BUSY_LIMIT = 0.15  # share of the CPUs used by other processes above which a cell waits, or is measured again
 QUIET_BUDGET_S = 120.0  # the run's total time for waiting on other processes
 IDLE_SERVERS_LIMIT = 0.02  # the servers not driven now (of one core) above which a cell waits before it starts
+# over this long: with 0.5 s, a Triton left with a backlog looked idle before a geserve cell during which it then took
+# 2.3% of the core (the cell's health probe stalled 13.7 ms). With 2 s it still took 7.2% in one cell of four runs:
+# the cells report it ("idle servers' CPU"); restarting a Triton that left requests unanswered would end it.
+IDLE_SERVERS_WINDOW_S = 2.0
 SETTLE_MAX_S = 30.0  # how long a cell waits for them
 POOL = 64  # connections opened before a cell starts
 MAX_CONNECTIONS = 1024  # the generator opens more when all are busy, up to this many; then requests wait client-side
@@ -808,12 +812,13 @@ def _idle_cpu_s(servers: dict[str, Server], driven: str) -> float:
 
 
 def _await_idle_servers(servers: dict[str, Server], driven: str) -> None:
-    """Wait (at most SETTLE_MAX_S) until the servers not driven now use under IDLE_SERVERS_LIMIT of a core."""
+    """Wait (at most SETTLE_MAX_S) until the servers not driven now used under IDLE_SERVERS_LIMIT of a core over the
+    latest IDLE_SERVERS_WINDOW_S."""
     deadline = time.monotonic() + SETTLE_MAX_S
     while time.monotonic() < deadline:
         before = _idle_cpu_s(servers, driven)
-        time.sleep(0.5)
-        if (_idle_cpu_s(servers, driven) - before) / 0.5 < IDLE_SERVERS_LIMIT:
+        time.sleep(IDLE_SERVERS_WINDOW_S)
+        if (_idle_cpu_s(servers, driven) - before) / IDLE_SERVERS_WINDOW_S < IDLE_SERVERS_LIMIT:
             return
     print(f"  (the servers beside {driven} were still busy after {SETTLE_MAX_S:.0f} s)", flush=True)
 
@@ -1112,8 +1117,9 @@ def report(run: Run, loads: list[float]) -> str:
               "generator CPU = the generator process's CPU over the cell (its core: 100%); send lag = actual send - "
               "scheduled arrival; server CPU = the server's process tree (with Triton's Python-backend stub) over "
               "the cell, of one core (geserve: its event-loop thread's part); idle servers' CPU = the servers not "
-              "driven in the cell (all on the same core), of one core (a cell waits until they use under "
-              f"{IDLE_SERVERS_LIMIT:.0%} of it, at most {SETTLE_MAX_S:.0f} s: a Triton still executing requests "
+              "driven in the cell (all on the same core), of one core (a cell waits until they used under "
+              f"{IDLE_SERVERS_LIMIT:.0%} of it over {IDLE_SERVERS_WINDOW_S:g} s, at most {SETTLE_MAX_S:.0f} s: "
+              "a Triton still executing requests "
               "its clients gave up on); others' CPU = the share of the machine's "
               "CPUs used by processes outside this "
               f"run (a cell waits for it to fall below {BUSY_LIMIT:.0%} and is measured again once above it), steal "
