@@ -660,6 +660,11 @@ def stolen_ticks() -> tuple[int, int]:
     return values[7], sum(values[:8])
 
 
+def loop_cpu_s(server: Server) -> float:
+    """CPU seconds used so far by geserve's event loop (its main thread); NaN for another server."""
+    return thread_cpu_s(server.pid) if server.key.startswith("geserve") else math.nan
+
+
 def thread_cpu_s(pid: int) -> float:
     """CPU seconds used so far by the main thread of `pid` (geserve's event loop), from /proc."""
     try:
@@ -828,7 +833,7 @@ def _cell(generator: Generator, servers: dict[str, Server], key: str, job: OpenL
     others' CPU share."""
     server = servers[key]
     before = model_state(server)
-    cpu_before, loop_before, wall_before = tree_cpu_s(server.pid), thread_cpu_s(server.pid), time.monotonic()
+    cpu_before, loop_before, wall_before = tree_cpu_s(server.pid), loop_cpu_s(server), time.monotonic()
     idle_before = _idle_cpu_s(servers, key)
     steal_before = stolen_ticks()
     with others_share() as others:
@@ -838,7 +843,7 @@ def _cell(generator: Generator, servers: dict[str, Server], key: str, job: OpenL
     cell["steal"] = (steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1])
     cell["server_cpu"] = (tree_cpu_s(server.pid) - cpu_before) / wall
     cell["idle_servers"] = (_idle_cpu_s(servers, key) - idle_before) / wall
-    cell["loop_cpu"] = (thread_cpu_s(server.pid) - loop_before) / wall if server.key.startswith("geserve") else math.nan
+    cell["loop_cpu"] = (loop_cpu_s(server) - loop_before) / wall
     cell["others"] = others[0] if others else math.nan
     after = model_state(server)
     counted = {name: value - before.get(name, 0.0) if name != "limit" else value for name, value in after.items()}
@@ -911,13 +916,12 @@ def _closed_loop(generator: Generator, key: str, server: Server, run: Run, plain
     """`server`'s closed-loop throughput run (geserve on at its concurrency limit's floor, the others at 32), with the
     concurrency it ran at."""
     concurrency = ADMITTED_CONCURRENCY if key == "geserve_on" else CAPACITY_CONCURRENCY
-    loop_before, wall_before = thread_cpu_s(server.pid), time.monotonic()
+    loop_before, wall_before = loop_cpu_s(server), time.monotonic()
     closed = generator.run(ClosedLoop("127.0.0.1", server.port, plain, concurrency, run.mode.capacity_s / 3,
                                       run.mode.capacity_s))
     closed["concurrency"] = concurrency
     # over the warm-up too: the loop's share of the core while the model runs full batches back to back
-    loop_s = thread_cpu_s(server.pid) - loop_before if key.startswith("geserve") else math.nan
-    closed["loop_cpu"] = loop_s / (time.monotonic() - wall_before)
+    closed["loop_cpu"] = (loop_cpu_s(server) - loop_before) / (time.monotonic() - wall_before)
     return closed
 
 

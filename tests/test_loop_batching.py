@@ -17,14 +17,14 @@ import pytest
 
 from geserve.devices.loop_batching import ENGAGE_REFUSALS, LOOP_BATCHING, LoopBatching, kernel_tick_s
 from geserve.devices.thread_scheduling import SHORTEST_SLICE_S, set_policy, slice_s
+from geserve.devices.thread_scheduling import policy as policy_of
 from geserve.service.deadlines import DELIVERY_ALLOWANCE_S, caller_deadline
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
 
 
 def policy() -> int:
-    """The calling thread's policy, less the reset-on-fork flag the loop's own scheduling sets."""
-    return os.sched_getscheduler(threading.get_native_id()) & ~os.SCHED_RESET_ON_FORK
+    return policy_of(threading.get_native_id())
 
 
 def slices_reported() -> bool:

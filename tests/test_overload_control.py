@@ -35,6 +35,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from geserve.devices.thread_scheduling import SHORTEST_SLICE_S, slice_s
+from geserve.devices.thread_scheduling import policy as policy_of
 from tests.support import models
 from tests.support.ensembles import Ensemble, Step
 from tests.support.server import RunningServer, start_geserve, stop_geserve
@@ -551,7 +552,7 @@ def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
     """While admission control refuses fast, the server's event loop (its main thread) runs as SCHED_BATCH, as the
     kernel reports it: not after one refusal, but within a run of them on one keep-alive connection (20 within 100 ms
     switch it); a second or so after the last refusal it runs as SCHED_OTHER again, with the short slice it had before
-(devices/loop_batching.py)."""
+    (devices/loop_batching.py)."""
     model = "scheduled"
     loop_thread = on_server.process.pid
     deadline = time.monotonic() + 10
@@ -581,11 +582,6 @@ def test_the_loop_is_batch_scheduled_while_refusing_and_normal_again_after(
         assert time.monotonic() < deadline, "the loop stayed batch-scheduled with nothing refused"
         time.sleep(0.1)
     assert slice_s(loop_thread) == short and short in (0.0, SHORTEST_SLICE_S)  # 0.0: a kernel before 6.12
-
-
-def policy_of(thread: int) -> int:
-    """A thread's scheduling policy, less the reset-on-fork flag the loop's scheduling sets."""
-    return os.sched_getscheduler(thread) & ~os.SCHED_RESET_ON_FORK
 
 
 def test_a_restricted_api_judges_a_call_before_admission_control(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(platform.machine()) if _LIN
 _SCHED_GETATTR = {"x86_64": 315, "aarch64": 275}.get(platform.machine()) if _LINUX else None
 _RESET_ON_FORK = 0x01  # the threads it starts take the default policy's slice, not this one's
 _ATTR = struct.Struct("IIQiIQQQII")  # struct sched_attr, its first version (56 bytes)
-_libc: ctypes.CDLL | None = None
+_LIBC = ctypes.CDLL(None, use_errno=True) if _LINUX else None
 
 
 def set_policy(thread: int, policy: int, slice_s: float = 0.0) -> bool:
@@ -54,8 +54,11 @@ def slice_s(thread: int) -> float:
     return _ATTR.unpack(buffer.raw)[5] / 1e9
 
 
+def policy(thread: int) -> int:
+    """The policy `thread` runs under (os.SCHED_*), less the reset-on-fork flag `set_policy` adds to it."""
+    return os.sched_getscheduler(thread) & ~os.SCHED_RESET_ON_FORK
+
+
 def _syscall(number: int, *args: object) -> int:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return int(_libc.syscall(number, *args))
+    assert _LIBC is not None  # the syscall numbers are known on Linux only
+    return int(_LIBC.syscall(number, *args))
