@@ -20,7 +20,8 @@ What one run does:
    requests' timeouts).
 2. Starts the servers pinned to core 0 (their whole process trees) and the generator pinned to core 1; one server is
    driven at a time, the others idle. A server found exited before a cell (a crash) is noted, and a Triton is
-   started again.
+   started again; so is a Triton whose cell left requests unanswered (it would go on executing them, which nobody
+   waits for, on the core the next cell's server runs on).
 3. Measures each server closed-loop: its unloaded p50 (one connection, back to back) and its throughput (32
    connections; geserve on: 16, its concurrency limit's floor, as more clients would be refused and retry at once).
    "Capacity" is geserve's (off); the deadline is 10x geserve's (off) unloaded p50, in whole ms. Both are the same
@@ -65,6 +66,7 @@ import os
 import platform
 import random
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -101,8 +103,9 @@ BUSY_LIMIT = 0.15  # share of the CPUs used by other processes above which a cel
 QUIET_BUDGET_S = 120.0  # the run's total time for waiting on other processes
 IDLE_SERVERS_LIMIT = 0.02  # the servers not driven now (of one core) above which a cell waits before it starts
 # over this long: with 0.5 s, a Triton left with a backlog looked idle before a geserve cell during which it then took
-# 2.3% of the core (the cell's health probe stalled 13.7 ms). With 2 s it still took 7.2% in one cell of four runs:
-# the cells report it ("idle servers' CPU"); restarting a Triton that left requests unanswered would end it.
+# 2.3% of the core (the cell's health probe stalled 13.7 ms). With 2 s it still took 7.2% in one cell of four runs;
+# a Triton that left requests unanswered is now replaced after its cell (`_start_again`), and the cells report the
+# rest ("idle servers' CPU").
 IDLE_SERVERS_WINDOW_S = 2.0
 SETTLE_MAX_S = 30.0  # how long a cell waits for them
 POOL = 64  # connections opened before a cell starts
@@ -526,6 +529,7 @@ class OpenLoop:
             "max_backlog": state["max_backlog"],
             "connections": most,
             "generator_cpu": cpu / wall if wall > 0 else math.nan,
+            "abandoned": sum(1 for k in range(count) if not outcome[k]),  # warm-up's too: all the server still holds
             "errors": messages,
             "requests": list(zip(arrivals, lag, latency, outcome, strict=True)) if self.record else [],
         }
@@ -808,6 +812,7 @@ class Run:
     cells: dict[tuple[float, str], dict[str, Any]] = field(default_factory=dict)
     quiet_left_s: float = QUIET_BUDGET_S
     crashes: list[str] = field(default_factory=list)  # servers found exited (and started again)
+    restarts: list[str] = field(default_factory=list)  # Tritons replaced after a cell left them a backlog
 
 
 def _idle_cpu_s(servers: dict[str, Server], driven: str) -> float:
@@ -948,7 +953,7 @@ def _open_loop_cell(generator: Generator, servers: dict[str, Server], key: str, 
             print(f"  {run.crashes[-1]}", flush=True)
             if restart is None:
                 return {}
-            servers[key] = restart()
+            _start_again(servers, key)
         job = replace(job, port=servers[key].port)
         time.sleep(1.0)
         _await_idle_servers(servers, key)
@@ -964,8 +969,22 @@ def _open_loop_cell(generator: Generator, servers: dict[str, Server], key: str, 
                 raise
             print(f"  {key}: {exc}", flush=True)
             continue
+        if cell["abandoned"] and servers[key].restart is not None:
+            # It would go on executing requests nobody waits for, on the core the next cell's server runs on.
+            run.restarts.append(f"{key} after the {load:g}x cell ({cell['abandoned']} requests unanswered)")
+            _start_again(servers, key)
         return cell
     return {}
+
+
+def _start_again(servers: dict[str, Server], key: str) -> None:
+    """Replace `servers[key]` (a Triton, exited or holding a backlog) by a new one on the same repository."""
+    server = servers[key]
+    assert server.restart is not None
+    with suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)  # its own session: the Python-backend stubs go with it
+    server.process.wait()
+    servers[key] = server.restart()
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -1116,6 +1135,9 @@ def report(run: Run, loads: list[float]) -> str:
     if run.crashes:
         lines += ["", "Servers that exited during the run (their logs: bench/results/overload.<server>*.log): "
                   + "; ".join(run.crashes) + "."]
+    if run.restarts:
+        lines += ["", "Tritons replaced by a new one after a cell that left requests unanswered (it would have gone "
+                  "on executing them beside the next cell's server): " + "; ".join(run.restarts) + "."]
     lines += ["", "## Targets", "", *(f"- {line}" for line in targets(run)), "",
               "## Diagnostics", "",
               "generator CPU = the generator process's CPU over the cell (its core: 100%); send lag = actual send - "
