@@ -529,7 +529,7 @@ class OpenLoop:
             "max_backlog": state["max_backlog"],
             "connections": most,
             "generator_cpu": cpu / wall if wall > 0 else math.nan,
-            "abandoned": sum(1 for k in range(count) if not outcome[k]),  # warm-up's too: all the server still holds
+            "abandoned": outcome.count(""),  # the warm-up's too: all the server may still be working on
             "errors": messages,
             "requests": list(zip(arrivals, lag, latency, outcome, strict=True)) if self.record else [],
         }
@@ -969,12 +969,17 @@ def _open_loop_cell(generator: Generator, servers: dict[str, Server], key: str, 
                 raise
             print(f"  {key}: {exc}", flush=True)
             continue
-        if cell["abandoned"] and servers[key].restart is not None:
-            # It would go on executing requests nobody waits for, on the core the next cell's server runs on.
-            run.restarts.append(f"{key} after the {load:g}x cell ({cell['abandoned']} requests unanswered)")
-            _start_again(servers, key)
+        _replace_if_backlogged(servers, key, run, f"{load:g}x", cell["abandoned"])
         return cell
     return {}
+
+
+def _replace_if_backlogged(servers: dict[str, Server], key: str, run: Run, load: str, unanswered: int) -> None:
+    """A Triton that left requests unanswered would go on executing them, which nobody waits for, on the core the
+    next cell's server runs on: replace it."""
+    if unanswered and servers[key].restart is not None:
+        run.restarts.append(f"{key} after the {load} cell ({unanswered} requests unanswered)")
+        _start_again(servers, key)
 
 
 def _start_again(servers: dict[str, Server], key: str) -> None:
@@ -1057,20 +1062,37 @@ def targets(run: Run) -> list[str]:
             times = goodput / theirs if theirs else math.inf
             lines.append(f"(not a target) {load:g}x: geserve's goodput is {_times(times)} that of Triton without "
                          f"the queue policy, {theirs:.1f}/s")
-    for key in (on, "geserve_off"):
-        late = {load: cell["classes"]["late"] for (load, k), cell in run.cells.items() if k == key}
-        if late:
-            total = sum(late.values())
-            detail = ", ".join(f"{load:g}x: {count}" for load, count in late.items())
-            from_send = sum(cell["late_from_send"] for (_, k), cell in run.cells.items() if k == key)
-            # The targets hold for geserve as the docs say to run it under deadlines, admission control on (the
-            # goodput ones cannot hold without it); off, the loop's unseen read delays let a few successes through.
-            verdict = ("PASS" if total == 0 else "FAIL") if key == on else "(not a target: admission control off)"
-            lines.append(f"{verdict}: {key}: {total} late successes ({detail}; "
-                         f"{from_send} of them late counting from the send){' (target 0)' if key == on else ''}")
+    lines += [line for key in (on, "geserve_off") if (line := _late_line(run, key, target=key == on))]
     if (0.5, on) in run.cells:
         refused = run.cells[(0.5, on)]["classes"]["refused"]
         lines.append(f"{'PASS' if refused == 0 else 'FAIL'}: 0.5x: geserve refused {refused} (target 0)")
+    return lines
+
+
+def _late_line(run: Run, key: str, target: bool) -> str:
+    """The late successes of `key`'s cells; a target for geserve as the docs say to run it under deadlines, admission
+    control on (the goodput targets cannot hold without it either: off, the loop's unseen read delays let a few
+    successes through)."""
+    late = {load: cell["classes"]["late"] for (load, k), cell in run.cells.items() if k == key}
+    if not late:
+        return ""
+    total = sum(late.values())
+    detail = ", ".join(f"{load:g}x: {count}" for load, count in late.items())
+    from_send = sum(cell["late_from_send"] for (_, k), cell in run.cells.items() if k == key)
+    verdict = ("PASS" if total == 0 else "FAIL") if target else "(not a target: admission control off)"
+    return (f"{verdict}: {key}: {total} late successes ({detail}; {from_send} of them late counting from the send)"
+            f"{' (target 0)' if target else ''}")
+
+
+def _replacements(run: Run) -> list[str]:
+    """The report's lines on the servers found exited and the Tritons replaced during the run."""
+    lines = []
+    if run.crashes:
+        lines += ["", "Servers that exited during the run (their logs: bench/results/overload.<server>*.log): "
+                  + "; ".join(run.crashes) + "."]
+    if run.restarts:
+        lines += ["", "Tritons replaced by a new one after a cell that left requests unanswered (it would have gone "
+                  "on executing them beside the next cell's server): " + "; ".join(run.restarts) + "."]
     return lines
 
 
@@ -1135,12 +1157,7 @@ def report(run: Run, loads: list[float]) -> str:
         HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [row(run, load, key) for load in loads for key in keys if (load, key) in run.cells]
-    if run.crashes:
-        lines += ["", "Servers that exited during the run (their logs: bench/results/overload.<server>*.log): "
-                  + "; ".join(run.crashes) + "."]
-    if run.restarts:
-        lines += ["", "Tritons replaced by a new one after a cell that left requests unanswered (it would have gone "
-                  "on executing them beside the next cell's server): " + "; ".join(run.restarts) + "."]
+    lines += _replacements(run)
     lines += ["", "## Targets", "", *(f"- {line}" for line in targets(run)), "",
               "## Diagnostics", "",
               "generator CPU = the generator process's CPU over the cell (its core: 100%); send lag = actual send - "
